@@ -1,0 +1,225 @@
+"""OpenAI request schemas and error shapes, shared by the worker and the gateway.
+
+Validation happens here, once: a request that passes builds a generation; one
+that fails becomes a 400 in OpenAI's ``{"error": {...}}`` shape that names the
+offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-shaped JSON response."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def error_type_for(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return {400: "invalid_request_error", 401: "authentication_error",
+            403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable",
+            504: "timeout"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not isinstance(part, str) or part in ("str", "list[str]", "list[int]"):
+            continue
+        elif "[" in part or part.startswith(("function-", "tagged-union")):
+            continue  # pydantic's names for union members are noise to a client
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """Turn pydantic's error into a 400 naming the first bad field."""
+    first = err.errors()[0]
+    param = _loc(first["loc"]) or None
+    msg = first["msg"]
+    if first["type"] == "missing":
+        message = f"Missing required parameter: '{param}'."
+    elif first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: '{param}'."
+    else:
+        message = f"Invalid value for '{param}': {msg}." if param else f"{msg}."
+    return APIError(400, message, param=param, code="invalid_value"
+                    if first["type"] != "missing" else "missing_required_parameter")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object body or raise a 400 that says what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}. "
+                       "The body must be a JSON object.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object, not "
+                       f"{type(body).__name__}.", code="invalid_json")
+    return body
+
+
+class _Model(BaseModel):
+    # Unknown fields are kept (clients send vendor extras) and reported by the
+    # worker's log rather than rejected, as vLLM and OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "input_text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_image", "image"]
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as plain text (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def has_image(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(p, ImagePart) for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    """Fields common to chat and text completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=-1)
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
+    logit_bias: Optional[dict[str, float]] = None
+    n: int = Field(default=1, ge=1, le=16)
+    user: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for k, b in (v or {}).items():
+            if not k.lstrip("-").isdigit() or int(k) < 0:
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"bias for token {k} must be between -100 and 100")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """None when logprobs are off, else how many alternatives to return."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+
+def parse_request(model_cls: type[SamplingFields], body: dict[str, Any]) -> SamplingFields:
+    """Validate ``body`` as ``model_cls``; errors become 400s."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

@@ -1,0 +1,342 @@
+"""The worker's HTTP app: OpenAI routes around one engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from quart import Quart, Response, request
+
+from ..api.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_type_for,
+    parse_json_body,
+    parse_request,
+)
+from .completions import (
+    ChoiceDecoder,
+    ModelDefaults,
+    ModelInfo,
+    chat_logprobs,
+    chat_prompt,
+    completion_logprobs,
+    completion_prompts,
+    new_id,
+    now,
+    sampling_params,
+    usage,
+)
+from .engine import Engine, EngineError, Generation, TokenEvent, stats_dict
+
+log = logging.getLogger("mlxfleet.worker")
+
+
+@dataclass
+class WorkerLimits:
+    max_queue: int = 256  # requests waiting beyond max_concurrency before 503
+
+
+def error_response(err: APIError) -> Response:
+    resp = Response(json.dumps(err.body()), status=err.status,
+                    content_type="application/json")
+    for k, v in err.headers.items():
+        resp.headers[k] = v
+    return resp
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class _Call:
+    """One request in flight: its generation, decoders and bookkeeping."""
+
+    def __init__(self, engine: Engine, gen: Generation, info: ModelInfo, stops: list[str],
+                 prompt_tokens: int):
+        self.engine, self.gen, self.info = engine, gen, info
+        self.decoders = [ChoiceDecoder(info.tokenizer, stops) for _ in range(gen.num_sequences)]
+        self.prompt_tokens = prompt_tokens
+        self.engine_open = gen.num_sequences  # sequences still running in the engine
+        self.open = gen.num_sequences  # choices not yet finished for the client
+
+    async def events(self) -> AsyncIterator[list[TokenEvent]]:
+        """Yield the tokens that have arrived, in batches, until every choice is done."""
+        q = self.gen.events
+        while self.open:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            for ev in batch:
+                if isinstance(ev, EngineError):
+                    raise APIError(503, f"Generation failed: {ev.message}",
+                                   type="server_error", code="engine_error")
+            yield batch
+
+    def feed(self, ev: TokenEvent) -> str:
+        dec = self.decoders[ev.index]
+        was_done = dec.done
+        if ev.finish_reason is not None:
+            self.engine_open -= 1
+        text = dec.feed(ev)
+        if dec.done and not was_done:
+            self.open -= 1
+            if ev.finish_reason is None:  # a stop string ended it: free its slot now
+                self.engine.cancel(self.gen, [ev.index])
+                self.engine_open -= 1
+        return text
+
+    def close(self) -> None:
+        """Free whatever is still running (client disconnected, error)."""
+        if self.engine_open > 0:
+            self.engine.cancel(self.gen)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(d.tokens for d in self.decoders)
+
+
+def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = None,
+               limits: Optional[WorkerLimits] = None) -> Quart:
+    """Build the Quart app serving ``engine`` as model ``name``."""
+    app = Quart("mlxfleet.worker")
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=32 << 20)
+    defaults = defaults or ModelDefaults()
+    limits = limits or WorkerLimits()
+    started = time.time()
+    state = {"inflight": 0, "info": None}
+
+    def model_info() -> ModelInfo:
+        if engine.state == "ready":
+            if state["info"] is None:
+                state["info"] = ModelInfo(name, engine.tokenizer, engine.context_length,
+                                          engine.vocab_size, defaults)
+            return state["info"]
+        if engine.state in ("loading", "pending"):
+            raise APIError(503, f"Model '{name}' is still loading; retry shortly.",
+                           type="service_unavailable", code="model_loading",
+                           headers={"Retry-After": "1"})
+        raise APIError(503, f"Model '{name}' is not available: {engine.error or engine.state}",
+                       type="service_unavailable", code="model_unavailable")
+
+    @app.errorhandler(APIError)
+    async def _api_error(err: APIError):
+        return error_response(err)
+
+    @app.errorhandler(404)
+    async def _not_found(_):
+        return error_response(APIError(404, f"Unknown route {request.method} {request.path}.",
+                                       type="not_found_error", code="unknown_route"))
+
+    @app.errorhandler(405)
+    async def _bad_method(_):
+        return error_response(APIError(405, f"Method {request.method} is not allowed on "
+                                       f"{request.path}.", code="method_not_allowed"))
+
+    @app.errorhandler(413)
+    async def _too_large(_):
+        return error_response(APIError(413, "The request body is too large.",
+                                       code="request_too_large"))
+
+    @app.errorhandler(Exception)
+    async def _unexpected(err: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(APIError(500, f"Internal error: {type(err).__name__}: {err}",
+                                       type=error_type_for(500), code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        ok = engine.state == "ready"
+        body = {"status": "ok" if ok else engine.state, "model": name, "state": engine.state,
+                "source": engine.source}
+        if engine.error:
+            body["error"] = engine.error
+        return body, 200 if ok else 503
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model",
+                                            "created": int(started), "owned_by": "mlxfleet",
+                                            "state": engine.state}]}
+
+    @app.get("/v1/status")
+    async def status():
+        return {"status": engine.state, "model": name, "source": engine.source,
+                "uptime_s": round(time.time() - started, 3),
+                "load_seconds": engine.load_seconds, "context_length": engine.context_length,
+                "inflight_requests": state["inflight"], **stats_dict(engine)}
+
+    async def start(cls: type[SamplingFields]):
+        req = parse_request(cls, parse_json_body(await request.get_data()))
+        extras = sorted(req.model_extra or {})
+        if extras:
+            log.info("ignoring unsupported request fields: %s", ", ".join(extras))
+        info = model_info()
+        if isinstance(req, ChatCompletionRequest):
+            prompts = [chat_prompt(info, req)]
+        else:
+            prompts = completion_prompts(info, req)
+        params = sampling_params(info, req, prompts)
+        if state["inflight"] >= engine.config.max_concurrency + limits.max_queue:
+            raise APIError(503, f"Model '{name}' is at capacity "
+                           f"({state['inflight']} requests in flight); retry shortly.",
+                           type="service_unavailable", code="queue_full",
+                           headers={"Retry-After": "1"})
+        gen = engine.submit(prompts, params, req.n)
+        call = _Call(engine, gen, info, req.stop_list, sum(len(p) for p in prompts))
+        return req, call
+
+    async def tracked(call: _Call, body: AsyncIterator[str]) -> AsyncIterator[str]:
+        state["inflight"] += 1
+        try:
+            async for chunk in body:
+                yield chunk
+        except APIError as err:  # the stream has started: report in-band
+            log.warning("stream failed: %s", err.message)
+            yield sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            state["inflight"] -= 1
+            call.close()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        req, call = await start(ChatCompletionRequest)
+        rid, created = new_id("chatcmpl"), now()
+        if req.stream:
+            return _stream_response(tracked(call, _chat_stream(call, req, rid, created)))
+        state["inflight"] += 1
+        try:
+            async for batch in call.events():
+                for ev in batch:
+                    call.feed(ev)
+        finally:
+            state["inflight"] -= 1
+            call.close()
+        choices = []
+        for i, d in enumerate(call.decoders):
+            c = {"index": i, "message": {"role": "assistant", "content": d.text},
+                 "logprobs": chat_logprobs(d, d.logprobs) if req.logprobs else None,
+                 "finish_reason": d.finish_reason}
+            choices.append(c)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                "choices": choices, "usage": usage(call.prompt_tokens, call.completion_tokens)}
+
+    async def _chat_stream(call: _Call, req: ChatCompletionRequest, rid: str,
+                           created: int) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": name}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, delta: dict, finish: Optional[str] = None,
+                  logprobs: Any = None) -> str:
+            return sse({**base, "choices": [{"index": index, "delta": delta,
+                                             "logprobs": logprobs,
+                                             "finish_reason": finish}], **extra})
+
+        yield "".join(chunk(i, {"role": "assistant", "content": ""})
+                      for i in range(len(call.decoders)))
+        async for batch in call.events():
+            out = []
+            for ev in batch:
+                dec = call.decoders[ev.index]
+                if dec.done:
+                    continue
+                text = call.feed(ev)
+                lp = chat_logprobs(dec, [ev]) if req.logprobs and ev.logprob is not None \
+                    else None
+                if text or lp:
+                    out.append(chunk(ev.index, {"content": text}, None, lp))
+                if dec.done:
+                    out.append(chunk(ev.index, {}, dec.finish_reason))
+            if out:
+                yield "".join(out)
+        if include_usage:
+            yield sse({**base, "choices": [],
+                       "usage": usage(call.prompt_tokens, call.completion_tokens)})
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions():
+        req, call = await start(CompletionRequest)
+        rid, created = new_id("cmpl"), now()
+        prompt_texts = _prompt_texts(call, req) if req.echo else None
+        if req.stream:
+            return _stream_response(tracked(call, _completion_stream(call, req, rid, created,
+                                                                      prompt_texts)))
+        state["inflight"] += 1
+        try:
+            async for batch in call.events():
+                for ev in batch:
+                    call.feed(ev)
+        finally:
+            state["inflight"] -= 1
+            call.close()
+        choices = []
+        for i, d in enumerate(call.decoders):
+            prefix = prompt_texts[i // req.n] if prompt_texts else ""
+            choices.append({
+                "index": i, "text": prefix + d.text,
+                "logprobs": completion_logprobs(d, d.logprobs, len(prefix))
+                if req.logprobs is not None else None,
+                "finish_reason": d.finish_reason})
+        return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": choices, "usage": usage(call.prompt_tokens, call.completion_tokens)}
+
+    async def _completion_stream(call: _Call, req: CompletionRequest, rid: str, created: int,
+                                 prompt_texts: Optional[list[str]]) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": name}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, text: str, finish: Optional[str] = None,
+                  logprobs: Any = None) -> str:
+            return sse({**base, "choices": [{"index": index, "text": text,
+                                             "logprobs": logprobs,
+                                             "finish_reason": finish}], **extra})
+
+        if prompt_texts:
+            yield "".join(chunk(i, prompt_texts[i // req.n])
+                          for i in range(len(call.decoders)))
+        async for batch in call.events():
+            out = []
+            for ev in batch:
+                dec = call.decoders[ev.index]
+                if dec.done:
+                    continue
+                text = call.feed(ev)
+                lp = completion_logprobs(dec, [ev]) if req.logprobs is not None \
+                    and ev.logprob is not None else None
+                if text or lp or dec.done:
+                    out.append(chunk(ev.index, text, dec.finish_reason, lp))
+            if out:
+                yield "".join(out)
+        if include_usage:
+            yield sse({**base, "choices": [],
+                       "usage": usage(call.prompt_tokens, call.completion_tokens)})
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _prompt_texts(call: _Call, req: CompletionRequest) -> list[str]:
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if all(isinstance(x, str) for x in req.prompt):
+        return list(req.prompt)
+    return [call.info.tokenizer.decode(p) for p in call.gen.prompts]
+
+
+def _stream_response(body: AsyncIterator[str]) -> Response:
+    resp = Response(body, content_type="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.timeout = None
+    return resp

@@ -1,0 +1,240 @@
+"""Tiny models the project builds itself (``builtin:`` sources).
+
+No model hub is reachable from tests or CI, so we write real checkpoints
+locally: a Qwen3-architecture model with deterministic random weights saved as
+safetensors, a byte-level BPE tokenizer trained with ``tokenizers`` on a
+deterministic corpus, and a ChatML chat template that supports tools. The
+result is an ordinary Hugging Face / MLX directory, loaded by ``mlx_lm.load``
+exactly like a downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+#: name -> Qwen3 shape. ``tiny`` is for tests, ``tiny-50m`` for benchmarks.
+BUILTIN_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "tiny-10m": dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024,
+                     num_attention_heads=6, num_key_value_heads=2, head_dim=64),
+    "tiny-50m": dict(hidden_size=512, num_hidden_layers=15, intermediate_size=1536,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+}
+CONTEXT_LENGTH = 2048
+VOCAB_SIZE = 2048
+#: Bump when the generated files change, so stale caches are rebuilt.
+FORMAT_VERSION = 1
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+]
+
+# A ChatML template in the style of Qwen2.5/Qwen3: tools are listed in the
+# system turn, calls are <tool_call>{json}</tool_call>, results come back as
+# <tool_response> inside a user turn.
+CHAT_TEMPLATE = r"""{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls | default([], true) %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this "
+    "have from or one had by word but not what all were we when your can said there "
+    "use an each which she do how their if will up other about out many then them "
+    "these so some her would make like him into time has look two more write go see "
+    "number no way could people my than first water been call who oil its now find "
+    "long down day did get come made may part hello world model answer question "
+    "weather city capital Paris Tokyo London Berlin Rome Madrid red green blue yellow "
+    "user assistant system tool function name arguments result json true false null "
+    "please thanks yes sure here is the answer today tomorrow temperature degrees "
+    "search time zone country France Japan England Germany Italy Spain number plus "
+    "minus equals what's it's I'm don't can't"
+).split()
+
+
+def _corpus() -> list[str]:
+    """A deterministic corpus: words, numbers, punctuation, chat and JSON markup."""
+    rng = np.random.default_rng(1234)
+    lines = []
+    for _ in range(4000):
+        n = int(rng.integers(3, 16))
+        words = [_WORDS[int(i)] for i in rng.integers(0, len(_WORDS), n)]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    lines += [str(i) for i in range(1000)]
+    lines += [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHi there.<|im_end|>",
+        "def f(x):\n    return x + 1\n",
+        "Unicode: café naïve résumé über 東京 日本 こんにちは 🙂 ✓ — “quotes”",
+    ] * 20
+    return lines
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _weights(shape: dict[str, int], vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Random float32 weights, scaled so greedy decoding has clear winners."""
+    rng = np.random.default_rng(seed)
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    hd, nq, nkv = shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+
+    def lin(out_f: int, in_f: int) -> np.ndarray:
+        return (rng.standard_normal((out_f, in_f)) / np.sqrt(in_f)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": (rng.standard_normal((vocab, h)) * 0.5).astype(np.float32),
+         "model.norm.weight": np.ones(h, np.float32)}
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = lin(nq * hd, h)
+        w[p + "self_attn.k_proj.weight"] = lin(nkv * hd, h)
+        w[p + "self_attn.v_proj.weight"] = lin(nkv * hd, h)
+        w[p + "self_attn.o_proj.weight"] = lin(h, nq * hd)
+        w[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
+        w[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+        w[p + "mlp.gate_proj.weight"] = lin(inter, h)
+        w[p + "mlp.up_proj.weight"] = lin(inter, h)
+        w[p + "mlp.down_proj.weight"] = lin(h, inter)
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+    return w
+
+
+def write_builtin(name: str, out_dir: Path) -> Path:
+    """Write the builtin model ``name`` (e.g. ``tiny``) as a checkpoint in ``out_dir``."""
+    if name not in BUILTIN_SIZES:
+        raise ValueError(
+            f"unknown builtin model {name!r}; choose one of: {', '.join(BUILTIN_SIZES)}"
+        )
+    from safetensors.numpy import save_file
+
+    shape = BUILTIN_SIZES[name]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer()
+    vocab = tok.get_vocab_size()
+    tok.save(str(out_dir / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    eos = ids["<|im_end|>"]
+
+    config = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        **shape,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": CONTEXT_LENGTH,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "eos_token_id": eos,
+        "bos_token_id": None,
+        "mlxfleet": {"builtin": name, "format": FORMAT_VERSION},
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": CONTEXT_LENGTH,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": t not in ("<tool_call>", "</tool_call>",
+                                                        "<think>", "</think>",
+                                                        "<tool_response>", "</tool_response>"),
+                     "lstrip": False, "rstrip": False, "normalized": False,
+                     "single_word": False}
+            for t, i in ids.items()
+        },
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos], "pad_token_id": ids["<|endoftext|>"]}))
+    save_file(_weights(shape, vocab, seed=sum(map(ord, name))),
+              str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
+    (out_dir / "README.md").write_text(
+        f"# builtin:{name}\n\nA Qwen3-architecture model with deterministic random "
+        "weights, written by mlxfleet for tests and benchmarks. It produces "
+        "gibberish by design.\n")
+    return out_dir
+
+
+def cache_dir() -> Path:
+    """Where builtin models are written once (``MLXFLEET_CACHE``, else XDG cache)."""
+    root = os.environ.get("MLXFLEET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxfleet")
+    return Path(root) / "builtin"
+
+
+def ensure_builtin(name: str) -> Path:
+    """Return the directory of builtin model ``name``, writing it on first use.
+
+    Written to a temporary sibling and renamed, so concurrent workers never see
+    a half-written model.
+    """
+    target = cache_dir() / f"{name}-v{FORMAT_VERSION}"
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        write_builtin(name, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,429 @@
+"""The MLX engine: one thread that owns the model and runs continuous batching.
+
+MLX arrays and streams belong to the thread that made them, so every MLX call
+(load, sampler construction, ``BatchGenerator`` steps, logprob extraction)
+happens on the engine thread. Async handlers talk to it through a thread-safe
+inbox; results come back to the event loop once per step, in one
+``call_soon_threadsafe`` for the whole batch rather than one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+log = logging.getLogger("mlxfleet.engine")
+
+
+@dataclass
+class SamplingParams:
+    """Per-sequence generation settings, built into MLX objects on the engine thread."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
+
+    def sampler_key(self) -> tuple:
+        return (self.temperature, self.top_p, self.min_p, self.top_k)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one sequence (``index`` = choice index)."""
+
+    index: int
+    token: int
+    finish_reason: Optional[str]
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+
+
+@dataclass
+class EngineError:
+    """Delivered instead of tokens when the engine could not run a request."""
+
+    message: str
+
+
+class Generation:
+    """A handle on one request's sequences; tokens arrive on ``events``."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, n: int):
+        self.prompts = prompts
+        self.params = params
+        self.n = n
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.uids: list[int] = []
+        self.finished = 0
+        self.submitted_at = time.monotonic()
+        self.cancelled = False
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.n
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+    peak_running: int = 0
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cancelled_total: int = 0
+
+
+@dataclass
+class _Submit:
+    gen: Generation
+
+
+@dataclass
+class _Cancel:
+    gen: Generation
+    indices: Optional[list[int]] = None
+
+
+@dataclass
+class EngineConfig:
+    max_concurrency: int = 16
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class _Seq:
+    gen: Generation
+    index: int
+
+
+class Engine:
+    """Loads one model on a dedicated thread and serves generations from it."""
+
+    def __init__(self, source: str, config: EngineConfig | None = None):
+        self.source = source
+        self.config = config or EngineConfig()
+        self.state = "pending"  # pending -> loading -> ready | failed; stopped
+        self.error: Optional[str] = None
+        self.tokenizer: Any = None
+        self.model_path: Optional[str] = None
+        self.context_length: Optional[int] = None
+        self.vocab_size: Optional[int] = None
+        self.stats = EngineStats()
+        self.load_seconds: Optional[float] = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ready = threading.Event()
+        self._stop = False
+
+    # ---- event-loop side -------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.state = "loading"
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Generation:
+        gen = Generation(prompts, params, n)
+        self._inbox.put(_Submit(gen))
+        return gen
+
+    def cancel(self, gen: Generation, indices: Optional[list[int]] = None) -> None:
+        """Drop sequences from the batch: all of ``gen`` (client gone) or some
+        choices (a stop string was seen in their text)."""
+        if indices is None:
+            if gen.cancelled:
+                return
+            gen.cancelled = True
+        self._inbox.put(_Cancel(gen, indices))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.state = "stopped"
+
+    # ---- engine thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
+            log.exception("loading %s failed", self.source)
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = "failed"
+            self._ready.set()
+            self._fail_pending()
+            return
+        self.state = "ready"
+        self._ready.set()
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine loop crashed")
+            self.error = f"engine crashed: {type(e).__name__}: {e}"
+            self.state = "failed"
+            self._fail_active(self.error)
+            self._fail_pending()
+        finally:
+            # Free MLX objects on the thread that made them.
+            self._bg = None
+            self._model = None
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        from .sources import resolve_source
+
+        t0 = time.monotonic()
+        path = resolve_source(self.source, revision=self.config.revision)
+        self.model_path = str(path)
+        model, tokenizer, config = load(
+            str(path), return_config=True,
+            tokenizer_config={"trust_remote_code": self.config.trust_remote_code},
+        )
+        self._model = model
+        self.tokenizer = tokenizer
+        self.context_length = _context_length(config, tokenizer)
+        self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
+        self._stream = mx.default_stream(mx.default_device())
+        self._new_batch_generator()
+        self.load_seconds = time.monotonic() - t0
+        log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
+                 self.load_seconds, self.context_length)
+
+    def _new_batch_generator(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        cfg = self.config
+        self._bg = BatchGenerator(
+            self._model,
+            stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
+            completion_batch_size=cfg.max_concurrency,
+            prefill_batch_size=min(cfg.prefill_batch_size, cfg.max_concurrency),
+            prefill_step_size=cfg.prefill_step_size,
+            stream=self._stream,
+        )
+        self._seqs: dict[int, _Seq] = {}
+        self._samplers: dict[tuple, Any] = {}
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self._seqs:
+                item = self._inbox.get()  # idle: sleep until there is work
+                if not self._handle(item):
+                    break
+            while True:  # drain everything that arrived during the last step
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._handle(item):
+                    return
+            if self._seqs:
+                self._step()
+
+    def _handle(self, item) -> bool:
+        if item is None:
+            return False
+        if isinstance(item, _Submit):
+            self._insert(item.gen)
+        elif isinstance(item, _Cancel):
+            uids = item.gen.uids
+            if item.indices is not None:
+                uids = [uids[i] for i in item.indices if i < len(uids)]
+            uids = [u for u in uids if u in self._seqs]
+            if uids:
+                self._bg.remove(uids)
+                for u in uids:
+                    del self._seqs[u]
+                if item.indices is None:
+                    self.stats.cancelled_total += 1
+        return True
+
+    def _insert(self, gen: Generation) -> None:
+        if gen.cancelled:
+            return
+        p = gen.params
+        try:
+            samplers = [self._sampler(p, i) for i in range(gen.num_sequences)]
+            procs = self._logits_processors(p)
+            uids = self._bg.insert(
+                [list(pr) for pr in gen.prompts for _ in range(gen.n)],
+                max_tokens=[p.max_tokens] * gen.num_sequences,
+                samplers=samplers,
+                logits_processors=[procs] * gen.num_sequences,
+            )
+        except Exception as e:  # noqa: BLE001 - bad parameters must not kill the engine
+            log.warning("could not start a generation: %s", e)
+            self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
+            return
+        gen.uids = uids
+        for i, uid in enumerate(uids):
+            self._seqs[uid] = _Seq(gen, i)
+        self.stats.requests_total += 1
+        self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
+
+    def _sampler(self, p: SamplingParams, index: int):
+        """Samplers are shared by parameter value so the batch samples in one call."""
+        if p.temperature == 0:
+            return None  # the batch's greedy fallback
+        if p.seed is not None:
+            return _SeededSampler(p, p.seed + index)
+        key = p.sampler_key()
+        s = self._samplers.get(key)
+        if s is None:
+            from mlx_lm.sample_utils import make_sampler
+
+            s = make_sampler(p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+            self._samplers[key] = s
+        return s
+
+    @staticmethod
+    def _logits_processors(p: SamplingParams) -> list:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return make_logits_processors(
+            logit_bias=p.logit_bias or None,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+        )
+
+    def _step(self) -> None:
+        import mlx.core as mx
+
+        _, responses = self._bg.next()
+        st = self.stats
+        st.steps += 1
+        out = []
+        for r in responses:
+            seq = self._seqs.get(r.uid)
+            if seq is None:
+                continue
+            ev = TokenEvent(seq.index, r.token, r.finish_reason)
+            k = seq.gen.params.logprobs
+            if k is not None:
+                lp = r.logprobs
+                ev.logprob = lp[r.token].item()
+                if k > 0:
+                    top = mx.argpartition(-lp, kth=k - 1)[:k]
+                    vals = lp[top]
+                    ev.top_logprobs = sorted(zip(top.tolist(), vals.tolist()),
+                                             key=lambda t: -t[1])
+            out.append((seq.gen, ev))
+            if r.finish_reason is not None:
+                del self._seqs[r.uid]
+        st.generation_tokens_total += len(responses)
+        st.running = len(self._bg._generation_batch) + len(self._bg._prompt_batch)
+        st.waiting = len(self._bg._unprocessed_sequences)
+        st.peak_running = max(st.peak_running, st.running)
+        if out:
+            self._post(out)
+        if not self._seqs:
+            st.running = st.waiting = 0
+
+    def _post(self, events: list[tuple[Generation, Any]]) -> None:
+        self._loop.call_soon_threadsafe(_deliver, events)
+
+    def _fail_active(self, message: str) -> None:
+        gens = {s.gen for s in self._seqs.values()}
+        self._seqs = {}
+        self._post([(g, EngineError(message)) for g in gens])
+
+    def _fail_pending(self) -> None:
+        out = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Submit):
+                out.append((item.gen, EngineError(self.error or "engine not running")))
+        if out:
+            self._post(out)
+
+    def reset_peak(self) -> None:
+        self.stats.peak_running = self.stats.running
+
+
+def _deliver(events: list[tuple[Generation, Any]]) -> None:
+    for gen, ev in events:
+        gen.events.put_nowait(ev)
+
+
+class _SeededSampler:
+    """A sampler with its own PRNG key, so ``seed`` is reproducible inside a batch.
+
+    mlx_lm's ``make_sampler`` draws from the global PRNG, which every sequence
+    in the batch shares; a seeded request needs a private key stream.
+    """
+
+    def __init__(self, p: SamplingParams, seed: int):
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self._mx = mx
+        self._key = mx.random.key(seed)
+        self._temp = p.temperature
+        self._filters = []
+        if 0 < p.top_p < 1:
+            self._filters.append(lambda x: apply_top_p(x, p.top_p))
+        if p.min_p:
+            self._filters.append(lambda x: apply_min_p(x, p.min_p))
+        if p.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, p.top_k))
+
+    def __call__(self, logprobs):
+        mx = self._mx
+        self._key, sub = mx.random.split(self._key)
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1 / self._temp), key=sub)
+
+
+def _context_length(config: dict, tokenizer: Any) -> Optional[int]:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
+                "seq_length"):
+        v = config.get(key) or (config.get("text_config") or {}).get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    v = getattr(tokenizer, "model_max_length", None)
+    return v if isinstance(v, int) and 0 < v < 10**8 else None
+
+
+def stats_dict(engine: Engine) -> dict[str, Any]:
+    st = engine.stats
+    return {
+        "steps_executed": st.steps, "num_running": st.running, "num_waiting": st.waiting,
+        "peak_running": st.peak_running, "requests_total": st.requests_total,
+        "prompt_tokens_total": st.prompt_tokens_total,
+        "generation_tokens_total": st.generation_tokens_total,
+        "cancelled_total": st.cancelled_total,
+    }
+
+

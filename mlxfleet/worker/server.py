@@ -1,0 +1,79 @@
+"""Run one worker in the foreground: ``mlxfleet worker --source ... --bind ...``.
+
+The HTTP server answers at once (``/health`` is 503 while the model loads),
+so a supervisor can watch the load. SIGTERM/SIGINT stop accepting, let
+in-flight requests finish (up to ``drain_timeout``), then exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .completions import ModelDefaults
+from .engine import Engine, EngineConfig
+
+log = logging.getLogger("mlxfleet.worker")
+
+
+@dataclass
+class WorkerOptions:
+    source: str
+    name: str
+    bind: str = "127.0.0.1:8001"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    defaults: ModelDefaults = field(default_factory=ModelDefaults)
+    max_queue: int = 256
+    drain_timeout: float = 30.0
+
+
+def _hypercorn_bind(bind: str) -> str:
+    if bind.startswith("unix:"):
+        path = bind[len("unix:"):]
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from a previous run
+        return bind
+    return bind
+
+
+async def serve_worker(opts: WorkerOptions, stop: Optional[asyncio.Event] = None) -> None:
+    """Load the model on the engine thread and serve HTTP until stopped."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from .app import WorkerLimits, create_app
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    engine = Engine(opts.source, opts.engine)
+    app = create_app(engine, opts.name, opts.defaults, WorkerLimits(max_queue=opts.max_queue))
+    config = Config()
+    config.bind = [_hypercorn_bind(opts.bind)]
+    config.graceful_timeout = opts.drain_timeout
+    config.keep_alive_timeout = 75  # clients (and the gateway) keep connections pooled
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    engine.start(loop)
+    log.info("worker %s serving %s on %s", opts.name, opts.source, opts.bind)
+    try:
+        await serve(app, config, shutdown_trigger=stop.wait)
+    finally:
+        log.info("worker %s stopping", opts.name)
+        await loop.run_in_executor(None, engine.stop)
+        if opts.bind.startswith("unix:"):
+            try:
+                os.unlink(opts.bind[len("unix:"):])
+            except FileNotFoundError:
+                pass
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    asyncio.run(serve_worker(opts))
+    return 0
