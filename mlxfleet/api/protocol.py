@@ -33,7 +33,8 @@ def error_type_for(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error",
             403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
             429: "rate_limit_error", 503: "service_unavailable",
-            504: "timeout"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+            504: "timeout"}.get(status, "server_error" if status >= 500
+                                else "invalid_request_error")
 
 
 def _loc(loc: tuple) -> str:

@@ -263,6 +263,7 @@ class Engine:
                     del self._seqs[u]
                 if item.indices is None:
                     self.stats.cancelled_total += 1
+                self._count()
         return True
 
     def _insert(self, gen: Generation) -> None:
@@ -339,13 +340,15 @@ class Engine:
             if r.finish_reason is not None:
                 del self._seqs[r.uid]
         st.generation_tokens_total += len(responses)
-        st.running = len(self._bg._generation_batch) + len(self._bg._prompt_batch)
-        st.waiting = len(self._bg._unprocessed_sequences)
-        st.peak_running = max(st.peak_running, st.running)
+        self._count()
         if out:
             self._post(out)
-        if not self._seqs:
-            st.running = st.waiting = 0
+
+    def _count(self) -> None:
+        st, bg = self.stats, self._bg
+        st.running = len(bg._generation_batch) + len(bg._prompt_batch)
+        st.waiting = len(bg._unprocessed_sequences)
+        st.peak_running = max(st.peak_running, st.running)
 
     def _post(self, events: list[tuple[Generation, Any]]) -> None:
         self._loop.call_soon_threadsafe(_deliver, events)

@@ -1,0 +1,108 @@
+"""Shared fixtures: real worker processes serving real (tiny, builtin) MLX models."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProc:
+    """A ``mlxfleet worker`` subprocess and the URL it answers on."""
+
+    def __init__(self, args: list[str], log_path: Path, uds: Optional[str] = None,
+                 port: Optional[int] = None):
+        self.args, self.log_path, self.uds, self.port = args, log_path, uds, port
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxfleet", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def base_url(self) -> str:
+        return "http://worker" if self.uds else f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.Client(base_url=self.base_url, transport=transport, timeout=60, **kw)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}):\n{self.logs()}")
+            try:
+                with self.client() as c:
+                    if c.get("/health").status_code == 200:
+                        return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready in {timeout}s:\n{self.logs()}")
+
+    def status(self) -> dict:
+        with self.client() as c:
+            return c.get("/v1/status").json()
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def start_worker(tmp_path_factory):
+    """Factory: start a worker with extra CLI args; all are stopped at session end."""
+    procs: list[WorkerProc] = []
+
+    def start(*extra: str, source: str = "builtin:tiny", name: str = "tiny",
+              uds: bool = False, wait: bool = True) -> WorkerProc:
+        d = tmp_path_factory.mktemp("worker")
+        if uds:
+            path = str(d / "w.sock")
+            bind, port = f"unix:{path}", None
+        else:
+            path, port = None, free_port()
+            bind = f"127.0.0.1:{port}"
+        w = WorkerProc(["worker", "--source", source, "--name", name, "--bind", bind, *extra],
+                       d / "worker.log", uds=path, port=port)
+        procs.append(w)
+        if wait:
+            w.wait_ready()
+        return w
+
+    yield start
+    for w in procs:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(start_worker) -> WorkerProc:
+    """The shared worker most tests talk to: builtin:tiny, 16 concurrent sequences."""
+    return start_worker("--max-concurrency", "16", "--max-tokens-limit", "1500",
+                        "--temperature", "0.7")

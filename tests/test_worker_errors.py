@@ -1,0 +1,102 @@
+"""Bad input gets OpenAI's error shape and the right status; the worker keeps serving."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+LONG = "word " * 3000  # well past the tiny model's 2048-token context
+
+CASES = [
+    # (id, method, path, body (dict -> JSON, bytes -> raw), status, param)
+    ("invalid-json", "POST", CHAT, b'{"model": "tiny", "messages": [', 400, None),
+    ("not-an-object", "POST", CHAT, b"[1, 2, 3]", 400, None),
+    ("not-utf8", "POST", CHAT, b"\xff\xfe\x00", 400, None),
+    ("missing-messages", "POST", CHAT, {"model": "tiny"}, 400, "messages"),
+    ("missing-model", "POST", CHAT, {"messages": MSG}, 400, "model"),
+    ("empty-messages", "POST", CHAT, {"model": "tiny", "messages": []}, 400, "messages"),
+    ("unknown-role", "POST", CHAT,
+     {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("content-wrong-type", "POST", CHAT,
+     {"model": "tiny", "messages": [{"role": "user", "content": 42}]}, 400,
+     "messages[0].content"),
+    ("temperature-string", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "temperature": "hot"}, 400, "temperature"),
+    ("temperature-too-high", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "temperature": 5}, 400, "temperature"),
+    ("negative-max-tokens", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "max_tokens": -5}, 400, "max_tokens"),
+    ("zero-max-tokens", "POST", COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("max-tokens-over-limit", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "max_tokens": 1600}, 400, "max_tokens"),
+    ("max-completion-tokens-over-limit", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "max_completion_tokens": 100000}, 400, "max_tokens"),
+    ("prompt-longer-than-context", "POST", CHAT,
+     {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("completion-prompt-longer-than-context", "POST", COMP,
+     {"model": "tiny", "prompt": LONG}, 400, "prompt"),
+    ("prompt-plus-max-tokens-over-context", "POST", COMP,
+     {"model": "tiny", "prompt": "word " * 1000, "max_tokens": 1400}, 400, "max_tokens"),
+    ("token-id-out-of-vocab", "POST", COMP,
+     {"model": "tiny", "prompt": [1, 2, 999999]}, 400, "prompt"),
+    ("empty-token-list", "POST", COMP, {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("bad-logit-bias-key", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("n-zero", "POST", CHAT, {"model": "tiny", "messages": MSG, "n": 0}, 400, "n"),
+    ("empty-stop", "POST", CHAT, {"model": "tiny", "messages": MSG, "stop": [""]}, 400,
+     "stop"),
+    ("top-p-zero", "POST", CHAT, {"model": "tiny", "messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("top-logprobs-too-many", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ("image-content", "POST", CHAT,
+     {"model": "tiny", "messages": [{"role": "user", "content": [
+         {"type": "text", "text": "what is this"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     400, "messages[0].content"),
+    ("unsupported-response-format", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("unknown-route", "POST", "/v1/nope", {"model": "tiny"}, 404, None),
+    ("wrong-method", "GET", CHAT, None, 405, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_openai_error(worker, case):
+    _, method, path, body, status, param = case
+    with worker.client() as c:
+        if isinstance(body, bytes):
+            r = c.request(method, path, content=body,
+                          headers={"content-type": "application/json"})
+        else:
+            r = c.request(method, path, json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["message"] and "Traceback" not in err["message"]
+        assert err["type"]
+        if param is not None:
+            assert err["param"] == param, err
+        # ...and the worker still answers.
+        ok = c.post(CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sdk_raises_bad_request_with_message(worker):
+    client = openai.OpenAI(base_url=worker.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=100000)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", stream=True,
+                                       messages=[{"role": "user", "content": LONG}])
+    assert "maximum context length is 2048" in str(e.value)

@@ -1,0 +1,180 @@
+"""Worker process behaviour: disconnects, SIGTERM drain, Unix sockets, model sources."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+MSGS = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def _wait_for(pred, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()
+
+
+def test_disconnected_clients_free_their_slots(start_worker):
+    # The 10M model is slow enough that 1900 tokens outlast the test's reads.
+    w = start_worker("--max-concurrency", "4", source="builtin:tiny-10m")
+    body = {"model": "tiny", "messages": MSGS, "max_tokens": 1900, "temperature": 0,
+            "stream": True}
+    # Four clients fill every slot, read a little, then hang up.
+    clients = []
+    for _ in range(4):
+        c = w.client()
+        resp = c.send(c.build_request("POST", "/v1/chat/completions", json=body),
+                      stream=True)
+        lines = resp.iter_lines()
+        for _ in range(6):
+            next(lines)
+        clients.append((c, resp, lines))  # dropping `lines` would hang up now
+    assert _wait_for(lambda: w.status()["num_running"] == 4), w.status()
+    for c, resp, _ in clients:
+        resp.close()
+        c.close()
+    st = _wait_for(lambda: (s := w.status())["num_running"] == 0 and s, timeout=5)
+    assert st, w.status()
+    assert st["cancelled_total"] == 4
+    assert st["generation_tokens_total"] < 4 * 1900 / 2  # they did not run to the end
+
+    # The next four requests get the whole batch again.
+    client = openai.OpenAI(base_url=w.base_url + "/v1", api_key="x", max_retries=0)
+    before = w.status()
+    results = []
+
+    def run(i):
+        r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=200,
+                                           temperature=0)
+        results.append(r.usage.completion_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 4
+    steps = w.status()["steps_executed"] - before["steps_executed"]
+    assert steps < 2 * 200, steps  # ran together (sequentially it would take 800 steps)
+
+
+def test_sigterm_drains_in_flight_requests(start_worker):
+    w = start_worker()
+    got: dict = {}
+
+    def stream():
+        with w.client() as c:
+            with c.stream("POST", "/v1/chat/completions",
+                          json={"model": "tiny", "messages": MSGS, "max_tokens": 600,
+                                "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}) as r:
+                got["lines"] = [ln for ln in r.iter_lines() if ln]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert _wait_for(lambda: w.status()["num_running"] == 1, timeout=10)
+    w.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert w.proc.wait(30) == 0
+    lines = got["lines"]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][len("data: "):])["usage"]
+    assert usage["completion_tokens"] == 600  # the stream ran to the end
+
+
+def test_unix_socket_bind_with_openai_sdk(start_worker):
+    w = start_worker(uds=True)
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=w.uds))
+    client = openai.OpenAI(base_url="http://worker/v1", api_key="x", http_client=http,
+                           max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5)
+    assert r.usage.completion_tokens == 5
+    w.stop()
+    assert not __import__("os").path.exists(w.uds)  # the socket is cleaned up
+
+
+def test_make_model_writes_a_loadable_checkpoint(tmp_path, start_worker):
+    out = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "mlxfleet", "make-model", "builtin:tiny",
+                        str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / f).is_file()
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert "<tool_call>" in cfg["chat_template"] and "tools" in cfg["chat_template"]
+    # A local directory is a model source; it serves like any other.
+    w = start_worker(source=str(out), name="local")
+    with w.client() as c:
+        r = c.post("/v1/chat/completions",
+                   json={"model": "local", "messages": MSGS, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == "local"
+
+    bad = subprocess.run([sys.executable, "-m", "mlxfleet", "make-model", "builtin:nope",
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "builtin:tiny" in bad.stderr
+
+
+def test_unloadable_source_reports_error_and_503(start_worker, tmp_path):
+    w = start_worker(source=str(tmp_path / "missing"), name="broken", wait=False)
+
+    def failed():
+        try:
+            with w.client() as c:
+                h = c.get("/health")
+            return h.status_code == 503 and h.json()["state"] == "failed" and h.json()
+        except httpx.TransportError:
+            return False
+
+    h = _wait_for(failed, timeout=30)
+    assert h, w.logs()
+    assert "config.json" in h["error"]
+    with w.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "broken", "messages": MSGS})
+    assert r.status_code == 503
+    assert "not available" in r.json()["error"]["message"]
+
+
+def test_hub_source_offline_fails_cleanly(start_worker, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    w = start_worker(source="mlx-community/definitely-not-cached", name="hub", wait=False)
+    h = _wait_for(lambda: _health(w).get("state") == "failed" and _health(w), timeout=60)
+    assert h, w.logs()
+
+
+def _health(w) -> dict:
+    try:
+        with w.client() as c:
+            return c.get("/health").json()
+    except httpx.TransportError:
+        return {}
+
+
+@pytest.mark.parametrize("text", ["東京 café 🙂 naïve", "plain ascii", "✓ — “quotes”"])
+def test_streaming_detokenizer_never_splits_utf8(text):
+    """Feed a real tokenizer's tokens one at a time: no chunk holds half a character."""
+    from mlx_lm import load
+
+    from mlxfleet.worker.builtin import ensure_builtin
+    from mlxfleet.worker.completions import ChoiceDecoder
+    from mlxfleet.worker.engine import TokenEvent
+
+    _, tok = load(str(ensure_builtin("tiny")))
+    ids = tok.encode(text)
+    assert len(ids) > 1
+    dec = ChoiceDecoder(tok, [])
+    chunks = [dec.feed(TokenEvent(0, t, "length" if i == len(ids) - 1 else None))
+              for i, t in enumerate(ids)]
+    assert "".join(chunks) == text
+    assert not any("\ufffd" in c for c in chunks)
