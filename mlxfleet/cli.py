@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -36,6 +37,8 @@ def _add_worker(sub) -> None:
                    help="default completion length when a request sets none")
     p.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (400 beyond)")
+    p.add_argument("--max-request-tokens", type=int, default=None,
+                   help="longest prompt, in tokens, a request may send (400 beyond)")
     p.add_argument("--temperature", type=float, default=1.0, help="default temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="default top_p")
     p.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
@@ -63,6 +66,7 @@ def _run_worker(args) -> int:
                             trust_remote_code=args.trust_remote_code),
         defaults=ModelDefaults(max_tokens=args.max_tokens,
                                max_tokens_limit=args.max_tokens_limit,
+                               max_request_tokens=args.max_request_tokens,
                                temperature=args.temperature, top_p=args.top_p,
                                top_k=args.top_k),
         max_queue=args.max_queue,
@@ -86,19 +90,260 @@ def _run_make_model(args) -> int:
     return 0
 
 
+def _add_server_commands(sub) -> None:
+    p = sub.add_parser("serve", help="run the supervisor and gateway in the foreground",
+                       description="Reconcile a folder of Model manifests into workers "
+                       "behind one OpenAI-compatible port. With SOURCE, serve just that "
+                       "model (like `vllm-mlx serve MODEL`).")
+    p.add_argument("source", nargs="?", help="quick start: serve one model from this source")
+    p.add_argument("--manifests", dest="manifests_dir", help="manifests folder (./manifests)")
+    p.add_argument("--host", help="address to bind (127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (8000)")
+    p.add_argument("--state-dir", help="where logs and state go")
+    p.add_argument("--config", dest="config_file", help="YAML settings file")
+    p.add_argument("--name", help="with SOURCE: the model's name")
+
+    g = sub.add_parser("get", help="list models: mlxfleet get models")
+    g.add_argument("what", choices=["models", "model"])
+    g.add_argument("-o", "--output", choices=["table", "json", "wide"], default="table")
+    d = sub.add_parser("describe", help="show one model's status: mlxfleet describe model NAME")
+    d.add_argument("what", choices=["model"])
+    d.add_argument("name")
+    lg = sub.add_parser("logs", help="print a model's worker log")
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true")
+    lg.add_argument("--tail", type=int, default=100)
+    a = sub.add_parser("apply", help="validate a manifest file and install it")
+    a.add_argument("-f", "--filename", required=True, help="manifest file (- for stdin)")
+    dl = sub.add_parser("delete", help="remove a model's manifest: mlxfleet delete model NAME")
+    dl.add_argument("what", choices=["model"])
+    dl.add_argument("name")
+    for q in (g, d, lg, a, dl):
+        q.add_argument("--server", default=None,
+                       help="gateway URL (MLXFLEET_SERVER, else http://127.0.0.1:8000)")
+    v = sub.add_parser("validate", help="check manifest files without a server")
+    v.add_argument("paths", nargs="+")
+    sub.add_parser("schema", help="print the manifest JSON Schema")
+
+
+def _run_serve(args) -> int:
+    import asyncio
+    import tempfile
+
+    from pydantic import ValidationError
+
+    from .serve import serve
+    from .settings import load_settings
+
+    try:
+        settings = load_settings(host=args.host, port=args.port,
+                                 manifests_dir=args.manifests_dir, state_dir=args.state_dir,
+                                 config_file=args.config_file)
+    except (ValidationError, FileNotFoundError, ValueError) as e:
+        print(f"error: invalid settings: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(settings.log_level.upper())
+    if args.source:
+        if args.manifests_dir:
+            print("error: give either SOURCE or --manifests, not both", file=sys.stderr)
+            return 2
+        name = args.name or _default_name(args.source)
+        folder = Path(tempfile.mkdtemp(prefix="mlxfleet-quick-"))
+        (folder / f"{name}.yaml").write_text(
+            "apiVersion: mlxfleet/v1\nkind: Model\n"
+            f"metadata: {{name: {json.dumps(name)}}}\n"
+            f"spec: {{source: {json.dumps(args.source)}, aliases: [default]}}\n")
+        settings.manifests_dir = folder
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _server_url(args) -> str:
+    return (args.server or os.environ.get("MLXFLEET_SERVER")
+            or f"http://127.0.0.1:{os.environ.get('MLXFLEET_PORT', '8000')}").rstrip("/")
+
+
+def _api(args, method: str, path: str, **kw):
+    import httpx
+
+    url = _server_url(args)
+    try:
+        r = httpx.request(method, url + "/mlxfleet/v1" + path, timeout=30, **kw)
+    except httpx.ConnectError:
+        raise SystemExit(f"error: no mlxfleet server at {url} (start one with "
+                         "`mlxfleet serve`, or pass --server)") from None
+    if r.status_code >= 400:
+        try:
+            err = r.json()["error"]
+            msg = err["message"]
+            details = err.get("details") or []
+        except (ValueError, KeyError, TypeError):
+            msg, details = r.text, []
+        lines = details or [msg]
+        raise SystemExit("error: " + "\n  ".join(lines))
+    return r
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def _mem(b) -> str:
+    if not b:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:.0f}{unit}" if unit == "B" else f"{b:.1f}{unit}"
+        b /= 1024
+    return str(b)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _run_get(args) -> int:
+    data = _api(args, "GET", "/models").json()
+    if args.output == "json":
+        print(json.dumps(data, indent=2))
+        return 0
+    rows = [["NAME", "SOURCE", "STATE", "READY", "RESTARTS", "MEMORY", "AGE"]]
+    if args.output == "wide":
+        rows[0] += ["PID", "ALIASES"]
+    for m in data["items"]:
+        row = [m["name"], m["source"], m["phase"], "1/1" if m["ready"] else "0/1",
+               str(m["restarts"]), _mem(m["memoryBytes"]), _age(m["ageSeconds"])]
+        if args.output == "wide":
+            row += [str(m["pid"] or "-"), ",".join(m["aliases"]) or "-"]
+        rows.append(row)
+    print(_table(rows) if len(rows) > 1 else "No models.")
+    for errs in data.get("manifestErrors", {}).values():
+        for e in errs:
+            print(f"manifest error: {e}", file=sys.stderr)
+    return 0
+
+
+def _run_describe(args) -> int:
+    m = _api(args, "GET", f"/models/{args.name}").json()
+    print(f"Name:          {m['name']}")
+    print(f"Source:        {m['source']}")
+    print(f"Aliases:       {', '.join(m['aliases']) or '-'}")
+    print(f"Labels:        {', '.join(f'{k}={v}' for k, v in m['labels'].items()) or '-'}")
+    print(f"File:          {m['file']}")
+    print(f"Phase:         {m['phase']}")
+    print(f"Generation:    {m['generation']} (observed {m['observedGeneration']})")
+    print(f"PID:           {m['pid'] or '-'}")
+    print(f"Memory:        {_mem(m['memoryBytes'])}")
+    print(f"Restarts:      {m['restarts']}")
+    print(f"Last error:    {m['lastError'] or '-'}")
+    print(f"Log:           {m['logFile']}")
+    print("Conditions:")
+    rows = [["  TYPE", "STATUS", "REASON", "MESSAGE"]]
+    rows += [["  " + c["type"], c["status"], c["reason"], c["message"]]
+             for c in m["conditions"]]
+    print(_table(rows))
+    print("Events:")
+    if not m["events"]:
+        print("  <none>")
+    for e in m["events"][-15:]:
+        print(f"  {e['time']}  {e['type']:<8} {e['reason']:<16} {e['message']}")
+    return 0
+
+
+def _run_logs(args) -> int:
+    import httpx
+
+    params = {"tail": str(args.tail), "follow": "1" if args.follow else "0"}
+    if not args.follow:
+        sys.stdout.write(_api(args, "GET", f"/models/{args.name}/logs", params=params).text)
+        return 0
+    _api(args, "GET", f"/models/{args.name}")  # a clear error for an unknown name
+    url = _server_url(args) + f"/mlxfleet/v1/models/{args.name}/logs"
+    try:
+        with httpx.stream("GET", url, params=params, timeout=None) as r:
+            for chunk in r.iter_text():
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _run_apply(args) -> int:
+    if args.filename == "-":
+        text, fname = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, fname = Path(args.filename).read_text(encoding="utf-8"), args.filename
+        except OSError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    r = _api(args, "POST", "/manifests", content=text.encode(), params={"filename": fname},
+             headers={"Content-Type": "application/yaml"})
+    for a in r.json()["applied"]:
+        print(f"model/{a['name']} {a['action']} ({a['file']})")
+    return 0
+
+
+def _run_delete(args) -> int:
+    r = _api(args, "DELETE", f"/models/{args.name}").json()
+    print(f"model/{r['deleted']} deleted ({r['file']})")
+    return 0
+
+
+def _run_validate(args) -> int:
+    from .manifest import load_paths
+
+    paths = [Path(p) for p in args.paths]
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        for p in missing:
+            print(f"error: {p}: no such file or directory", file=sys.stderr)
+        return 1
+    bad = 0
+    for r in load_paths(paths):
+        if r.errors:
+            bad += 1
+            for e in r.errors:
+                print(f"error: {e}", file=sys.stderr)
+        else:
+            names = ", ".join(lm.manifest.name for lm in r.models) or "no models"
+            print(f"ok: {r.file} ({names})")
+    return 1 if bad else 0
+
+
+def _run_schema(args) -> int:
+    from .manifest import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mlxfleet",
                                      description="Serve local LLMs with MLX from YAML manifests.")
     parser.add_argument("--log-level", default=os.environ.get("MLXFLEET_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_server_commands(sub)
     _add_worker(sub)
     p = sub.add_parser("make-model", help="write a builtin model to a directory")
     p.add_argument("source", help="builtin:tiny, builtin:tiny-10m, builtin:tiny-50m")
     p.add_argument("dir", help="output directory")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    quiet = args.command not in ("serve", "worker")  # client commands print, not log
+    logging.basicConfig(level="WARNING" if quiet else args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"worker": _run_worker, "make-model": _run_make_model}[args.command](args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    commands = {"worker": _run_worker, "make-model": _run_make_model, "serve": _run_serve,
+                "get": _run_get, "describe": _run_describe, "logs": _run_logs,
+                "apply": _run_apply, "delete": _run_delete, "validate": _run_validate,
+                "schema": _run_schema}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

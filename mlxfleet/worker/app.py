@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from quart import Quart, Response, request
+from quart import Quart, request
 
+from ..api.http import install_error_handlers, sse, streaming_response
 from ..api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
-    error_type_for,
     parse_json_body,
     parse_request,
 )
@@ -41,18 +40,6 @@ log = logging.getLogger("mlxfleet.worker")
 @dataclass
 class WorkerLimits:
     max_queue: int = 256  # requests waiting beyond max_concurrency before 503
-
-
-def error_response(err: APIError) -> Response:
-    resp = Response(json.dumps(err.body()), status=err.status,
-                    content_type="application/json")
-    for k, v in err.headers.items():
-        resp.headers[k] = v
-    return resp
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 class _Call:
@@ -125,30 +112,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         raise APIError(503, f"Model '{name}' is not available: {engine.error or engine.state}",
                        type="service_unavailable", code="model_unavailable")
 
-    @app.errorhandler(APIError)
-    async def _api_error(err: APIError):
-        return error_response(err)
-
-    @app.errorhandler(404)
-    async def _not_found(_):
-        return error_response(APIError(404, f"Unknown route {request.method} {request.path}.",
-                                       type="not_found_error", code="unknown_route"))
-
-    @app.errorhandler(405)
-    async def _bad_method(_):
-        return error_response(APIError(405, f"Method {request.method} is not allowed on "
-                                       f"{request.path}.", code="method_not_allowed"))
-
-    @app.errorhandler(413)
-    async def _too_large(_):
-        return error_response(APIError(413, "The request body is too large.",
-                                       code="request_too_large"))
-
-    @app.errorhandler(Exception)
-    async def _unexpected(err: Exception):
-        log.exception("unexpected error on %s %s", request.method, request.path)
-        return error_response(APIError(500, f"Internal error: {type(err).__name__}: {err}",
-                                       type=error_type_for(500), code="internal_error"))
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -210,7 +174,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         req, call = await start(ChatCompletionRequest)
         rid, created = new_id("chatcmpl"), now()
         if req.stream:
-            return _stream_response(tracked(call, _chat_stream(call, req, rid, created)))
+            return streaming_response(tracked(call, _chat_stream(call, req, rid, created)))
         state["inflight"] += 1
         try:
             async for batch in call.events():
@@ -269,7 +233,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         rid, created = new_id("cmpl"), now()
         prompt_texts = _prompt_texts(call, req) if req.echo else None
         if req.stream:
-            return _stream_response(tracked(call, _completion_stream(call, req, rid, created,
+            return streaming_response(tracked(call, _completion_stream(call, req, rid, created,
                                                                       prompt_texts)))
         state["inflight"] += 1
         try:
@@ -332,11 +296,3 @@ def _prompt_texts(call: _Call, req: CompletionRequest) -> list[str]:
     if all(isinstance(x, str) for x in req.prompt):
         return list(req.prompt)
     return [call.info.tokenizer.decode(p) for p in call.gen.prompts]
-
-
-def _stream_response(body: AsyncIterator[str]) -> Response:
-    resp = Response(body, content_type="text/event-stream")
-    resp.headers["Cache-Control"] = "no-cache"
-    resp.headers["X-Accel-Buffering"] = "no"
-    resp.timeout = None
-    return resp

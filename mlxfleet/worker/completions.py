@@ -24,6 +24,7 @@ class ModelDefaults:
 
     max_tokens: int = 512
     max_tokens_limit: Optional[int] = None  # a request above this gets a 400
+    max_request_tokens: Optional[int] = None  # a longer prompt gets a 400
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -129,6 +130,11 @@ def sampling_params(info: ModelInfo, req: SamplingFields,
         raise APIError(400, f"max_tokens is too large: {requested}. This server allows at "
                        f"most {d.max_tokens_limit} completion tokens.",
                        param="max_tokens", code="invalid_value")
+    if d.max_request_tokens is not None and longest > d.max_request_tokens:
+        raise APIError(400, f"Your prompt has {longest} tokens; this server accepts at most "
+                       f"{d.max_request_tokens}.",
+                       param="messages" if hasattr(req, "messages") else "prompt",
+                       code="prompt_too_long")
     if ctx is not None:
         if longest >= ctx:
             raise APIError(400, f"This model's maximum context length is {ctx} tokens. "

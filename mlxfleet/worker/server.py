@@ -19,6 +19,8 @@ from .engine import Engine, EngineConfig
 
 log = logging.getLogger("mlxfleet.worker")
 
+PARENT_FD_ENV = "MLXFLEET_PARENT_FD"  # set by the supervisor (see supervisor/process.py)
+
 
 @dataclass
 class WorkerOptions:
@@ -60,6 +62,7 @@ async def serve_worker(opts: WorkerOptions, stop: Optional[asyncio.Event] = None
     config.keep_alive_timeout = 75  # clients (and the gateway) keep connections pooled
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    _watch_parent(loop, stop)
     engine.start(loop)
     log.info("worker %s serving %s on %s", opts.name, opts.source, opts.bind)
     try:
@@ -72,6 +75,28 @@ async def serve_worker(opts: WorkerOptions, stop: Optional[asyncio.Event] = None
                 os.unlink(opts.bind[len("unix:"):])
             except FileNotFoundError:
                 pass
+
+
+def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Exit when the supervisor dies: its end of our pipe closes and we read EOF."""
+    fd = os.environ.pop(PARENT_FD_ENV, None)
+    if fd is None:
+        return
+    fd = int(fd)
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 1)
+        except OSError:
+            data = b""
+        if data:
+            return
+        loop.remove_reader(fd)
+        log.warning("supervisor is gone; exiting")
+        stop.set()
+        loop.call_later(5.0, os._exit, 1)  # in case draining hangs
+
+    loop.add_reader(fd, on_readable)
 
 
 def run_worker(opts: WorkerOptions) -> int:

@@ -1,0 +1,117 @@
+"""The control API under ``/mlxfleet/v1/``, used by the CLI (kubectl-style)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from quart import Quart, request
+
+from .. import __version__
+from .http import streaming_response
+from .protocol import APIError
+
+
+def _runtime(supervisor: Any, name: str):
+    rt = supervisor.models.get(name) or supervisor.resolve(name)
+    if rt is None:
+        raise APIError(404, f"No model named '{name}'. Known: "
+                       f"{', '.join(supervisor.names()) or 'none'}.", type="not_found_error",
+                       code="model_not_found")
+    return rt
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a file, reading backwards in blocks."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            pos, data = f.tell(), b""
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(65536, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    except FileNotFoundError:
+        return []
+    return [ln.decode(errors="replace") for ln in data.splitlines()[-n:]] if n else []
+
+
+def register_control(app: Quart, supervisor: Any) -> None:
+    from ..supervisor.apply import ApplyError, apply_text, delete_model
+
+    base = "/mlxfleet/v1"
+
+    @app.get(f"{base}/info")
+    async def info():
+        s = supervisor.settings
+        return {"version": __version__, "manifestsDir": str(supervisor.manifests_dir),
+                "stateDir": str(Path(s.state_dir).expanduser()),
+                "logDir": str(supervisor.log_dir), "host": s.host, "port": s.port}
+
+    @app.get(f"{base}/models")
+    async def list_models():
+        errors = {f: [str(e) for e in errs] for f, errs in supervisor.file_errors.items()}
+        return {"items": [supervisor.models[n].status() for n in supervisor.names()],
+                "manifestErrors": errors}
+
+    @app.get(f"{base}/models/<name>")
+    async def get_model(name: str):
+        return _runtime(supervisor, name).status()
+
+    @app.get(f"{base}/models/<name>/logs")
+    async def logs(name: str):
+        rt = _runtime(supervisor, name)
+        try:
+            n = int(request.args.get("tail", "100"))
+        except ValueError:
+            raise APIError(400, "tail must be an integer", param="tail") from None
+        follow = request.args.get("follow", "").lower() in ("1", "true", "yes")
+        path = rt.log_path
+        head = "".join(ln + "\n" for ln in tail_lines(path, max(n, 0)))
+        if not follow:
+            return head, 200, {"Content-Type": "text/plain; charset=utf-8"}
+
+        async def stream():
+            yield head
+            pos = path.stat().st_size if path.exists() else 0
+            while True:
+                await asyncio.sleep(0.3)
+                size = path.stat().st_size if path.exists() else 0
+                if size < pos:  # rotated
+                    pos = 0
+                if size > pos:
+                    with open(path, "rb") as f:
+                        f.seek(pos)
+                        chunk = f.read(size - pos)
+                    pos = size
+                    yield chunk.decode(errors="replace")
+
+        return streaming_response(stream(), content_type="text/plain; charset=utf-8")
+
+    @app.post(f"{base}/manifests")
+    async def apply():
+        text = (await request.get_data()).decode("utf-8", errors="replace")
+        name = request.args.get("filename", "<apply>")
+        try:
+            applied = await asyncio.to_thread(apply_text, supervisor.manifests_dir, text, name)
+        except ApplyError as e:
+            err = APIError(400, str(e), code="invalid_manifest")
+            body = err.body()
+            body["error"]["details"] = [str(x) for x in e.errors]
+            return body, 400
+        await supervisor.reload()
+        return {"applied": [a.__dict__ for a in applied]}
+
+    @app.delete(f"{base}/models/<name>")
+    async def delete(name: str):
+        if name not in supervisor.models:
+            _runtime(supervisor, name)  # 404 with the known names
+        f = await asyncio.to_thread(delete_model, supervisor.manifests_dir, name)
+        if f is None:
+            raise APIError(404, f"Model '{name}' is running but its manifest is not in "
+                           f"{supervisor.manifests_dir}.", code="manifest_not_found")
+        await supervisor.reload()
+        return {"deleted": name, "file": f}

@@ -1,0 +1,320 @@
+"""The ``Model`` manifest: the one source of truth for spec fields.
+
+A manifest file holds one or more YAML documents::
+
+    apiVersion: mlxfleet/v1
+    kind: Model
+    metadata: {name: qwen3-8b, labels: {tier: chat}}
+    spec: {source: mlx-community/Qwen3-8B-4bit, aliases: [default]}
+
+Errors name the file, the document (1-based) and the field, as written in YAML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "mlxfleet/v1"
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+MANIFEST_SUFFIXES = (".yaml", ".yml")
+
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration(v: Any) -> float:
+    """``30s``, ``5m``, ``1h30m``, a number of seconds, ``0``; ``-1``/``forever`` = infinity."""
+    if isinstance(v, bool):
+        raise ValueError("expected a duration such as 30s, 5m, 1h, 0 or -1")
+    if isinstance(v, (int, float)):
+        return math.inf if v < 0 else float(v)
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if s in ("-1", "forever", "inf", "infinite", "never"):
+            return math.inf
+        try:
+            return parse_duration(float(s))
+        except ValueError:
+            pass
+        parts = _DURATION_RE.findall(s)
+        if parts and "".join(n + u for n, u in parts) == s:
+            return sum(float(n) * _UNITS[u] for n, u in parts)
+    raise ValueError(f"{v!r} is not a duration (use e.g. 30s, 5m, 1h30m, 0, -1 or forever)")
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
+                              frozen=True)
+
+
+class CacheSpec(_Spec):
+    """The worker's KV / prompt-cache memory budget."""
+
+    memory_mb: Optional[int] = Field(default=None, gt=0, alias="memoryMB")
+    memory_percent: Optional[float] = Field(default=None, gt=0, le=1,
+                                            description="share of machine memory, 0-1")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.memory_mb is not None and self.memory_percent is not None:
+            raise ValueError("set memoryMB or memoryPercent, not both")
+        return self
+
+
+class BatchingSpec(_Spec):
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    max_queue: int = Field(default=64, ge=0)
+    prefill_batch_size: int = Field(default=8, ge=1)
+    prefill_step_size: int = Field(default=512, ge=16)
+
+
+class LimitsSpec(_Spec):
+    max_tokens: Optional[int] = Field(default=None, ge=1,
+                                      description="largest max_tokens a request may ask for")
+    max_request_tokens: Optional[int] = Field(default=None, ge=1,
+                                              description="largest prompt, in tokens")
+    timeout: Optional[Duration] = None
+
+
+class DefaultsSpec(_Spec):
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+
+
+class ParsersSpec(_Spec):
+    tool_call: Optional[str] = None
+    reasoning: Optional[str] = None
+
+
+class ModelSpec(_Spec):
+    source: str = Field(min_length=1, description="HF repo id, local path, or builtin:NAME")
+    revision: Optional[str] = None
+    aliases: list[str] = Field(default_factory=list)
+    keep_alive: Optional[Duration] = None
+    preload: bool = True
+    pinned: bool = False
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    defaults: DefaultsSpec = Field(default_factory=DefaultsSpec)
+    parsers: ParsersSpec = Field(default_factory=ParsersSpec)
+    env: dict[str, str] = Field(default_factory=dict)
+    trust_remote_code: bool = False
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not a or len(a) > 128 or any(c.isspace() for c in a):
+                raise ValueError(f"alias {a!r} must be 1-128 characters without spaces")
+        if len(set(v)) != len(v):
+            raise ValueError("aliases must not repeat")
+        return v
+
+
+class Metadata(_Spec):
+    name: str
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"{v!r} must be a lowercase DNS label: a-z, 0-9 and '-', "
+                             "starting and ending with a letter or digit, at most 63 "
+                             "characters")
+        return v
+
+
+class Manifest(_Spec):
+    """One ``kind: Model`` document."""
+
+    api_version: Literal["mlxfleet/v1"] = Field(alias="apiVersion")
+    kind: Literal["Model"]
+    metadata: Metadata
+    spec: ModelSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def worker_hash(self) -> str:
+        """Hash of the fields a running worker depends on: a change means a new worker.
+
+        Aliases, labels, keepAlive, preload and pinned are the gateway's and the
+        scheduler's business and change without a restart.
+        """
+        s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned"})
+        return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@dataclass
+class ManifestError:
+    """A problem in one file, located as precisely as we can."""
+
+    file: str
+    message: str
+    document: Optional[int] = None
+    field: Optional[str] = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.document is not None:
+            where += f" (document {self.document})"
+        if self.field:
+            where += f": {self.field}"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class LoadedManifest:
+    manifest: Manifest
+    file: str
+    document: int
+
+
+@dataclass
+class FileResult:
+    """One file's models, or the errors that kept it from loading."""
+
+    file: str
+    models: list[LoadedManifest] = field(default_factory=list)
+    errors: list[ManifestError] = field(default_factory=list)
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and not p.startswith(("function-", "union[")):
+            out += ("." if out else "") + p
+    return out
+
+
+def _validation_errors(file: str, doc: int, err: ValidationError) -> list[ManifestError]:
+    out = []
+    for e in err.errors():
+        path = _field_path(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        out.append(ManifestError(file, msg, doc, path or None))
+    return out
+
+
+def parse_text(text: str, file: str) -> FileResult:
+    """Parse one file's text (any number of ``---`` documents)."""
+    res = FileResult(file)
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        res.errors.append(ManifestError(file, f"invalid YAML{where}: {problem}"))
+        return res
+    for i, doc in enumerate(docs, start=1):
+        if doc is None:
+            continue  # empty document (e.g. a trailing ---)
+        if not isinstance(doc, dict):
+            res.errors.append(ManifestError(file, "a document must be a mapping", i))
+            continue
+        try:
+            res.models.append(LoadedManifest(Manifest.model_validate(doc), file, i))
+        except ValidationError as e:
+            res.errors.extend(_validation_errors(file, i, e))
+    return res
+
+
+def is_manifest_file(path: Path) -> bool:
+    """YAML files, skipping hidden files and editors' temporaries."""
+    n = path.name
+    return (path.suffix in MANIFEST_SUFFIXES and not n.startswith((".", "#", "~"))
+            and path.is_file())
+
+
+def manifest_files(paths: list[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out.extend(sorted(f for f in p.iterdir() if is_manifest_file(f)))
+        else:
+            out.append(p)
+    return out
+
+
+def parse_file(path: Path) -> FileResult:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return FileResult(str(path), errors=[ManifestError(str(path), f"cannot read: {e}")])
+    return parse_text(text, str(path))
+
+
+def check_unique(results: list[FileResult]) -> None:
+    """Names and aliases must be unique across files; a clash is an error of the later file."""
+    owner: dict[str, str] = {}  # name or alias -> "file (document N)"
+    for res in results:
+        if res.errors:
+            continue
+        for lm in res.models:
+            here = f"{lm.file} (document {lm.document})"
+            keys = [("metadata.name", lm.manifest.name)] + [
+                (f"spec.aliases[{i}]", a) for i, a in enumerate(lm.manifest.spec.aliases)]
+            for fld, key in keys:
+                if key in owner:
+                    res.errors.append(ManifestError(
+                        lm.file, f"{key!r} is already used by {owner[key]}", lm.document, fld))
+            if not res.errors:
+                for _, key in keys:
+                    owner[key] = here
+
+
+def load_paths(paths: list[Path]) -> list[FileResult]:
+    """Parse every manifest file under ``paths`` and check cross-file uniqueness."""
+    results = [parse_file(p) for p in manifest_files(paths)]
+    check_unique(results)
+    return results
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema for editors (``# yaml-language-server: $schema=...``)."""
+    schema = Manifest.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "mlxfleet Model manifest"
+    return schema
+
+
+def dump_manifest(m: Manifest) -> str:
+    return yaml.safe_dump(m.model_dump(by_alias=True, exclude_defaults=True, mode="json"),
+                          sort_keys=False)
+
+

@@ -1,0 +1,47 @@
+"""``mlxfleet serve``: the supervisor and the gateway in one process and event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from .settings import ServerSettings
+
+log = logging.getLogger("mlxfleet")
+
+
+async def serve(settings: ServerSettings) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    from .api.gateway import create_gateway
+    from .supervisor.supervisor import Supervisor
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    supervisor = Supervisor(settings)
+    app = create_gateway(supervisor)
+
+    @app.before_serving
+    async def _start():
+        await supervisor.start()
+        log.info("mlxfleet gateway on http://%s:%s, manifests in %s", settings.host,
+                 settings.port, supervisor.manifests_dir)
+
+    @app.after_serving
+    async def _stop():
+        log.info("stopping: draining requests and workers")
+        await supervisor.stop()
+
+    config = Config()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    config.graceful_timeout = settings.drain_timeout
+    config.keep_alive_timeout = 75
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)

@@ -1,0 +1,136 @@
+"""``apply`` and ``delete``: edit the manifests folder the way a person would.
+
+Documents are spliced by their text position, so comments and formatting in
+the rest of a file survive. Every write is atomic (a hidden temporary file,
+then a rename), so the watcher never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..manifest import ManifestError, check_unique, load_paths, parse_text
+
+
+@dataclass
+class Applied:
+    name: str
+    file: str
+    action: str  # created | configured | unchanged
+
+
+class ApplyError(ValueError):
+    def __init__(self, errors: list[ManifestError]):
+        super().__init__("; ".join(map(str, errors)))
+        self.errors = errors
+
+
+def _doc_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) offsets of each non-empty YAML document, with the comments above it."""
+    spans, prev_end = [], 0
+    for node in yaml.compose_all(text):
+        if node is None:
+            continue
+        start = node.start_mark.index
+        head = text[prev_end:start]
+        sep = head.rfind("\n---")
+        if sep != -1 or head.startswith("---"):
+            line_end = head.find("\n", sep + 1)
+            start_of_head = prev_end + (line_end + 1 if line_end != -1 else len(head))
+        else:
+            start_of_head = prev_end
+        spans.append((start_of_head, node.end_mark.index))
+        prev_end = node.end_mark.index
+    return spans
+
+
+def atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Applied]:
+    """Validate ``text`` (one or more Model documents) and write it into ``folder``."""
+    new = parse_text(text, source_name)
+    if new.errors:
+        raise ApplyError(new.errors)
+    if not new.models:
+        raise ApplyError([ManifestError(source_name, "no Model documents found")])
+    new_spans = _doc_spans(text)
+    current = load_paths([folder])
+    where = {lm.manifest.name: lm for r in current for lm in r.models}
+    # The folder as it would be: other files' models plus the applied ones must be unique.
+    names = {lm.manifest.name for lm in new.models}
+    others = [type(r)(r.file, [lm for lm in r.models if lm.manifest.name not in names])
+              for r in current if not r.errors]
+    check_unique(others + [new])
+    if new.errors:
+        raise ApplyError(new.errors)
+    out: list[Applied] = []
+    for lm, (s, e) in zip(new.models, new_spans):
+        doc_text = text[s:e].strip("\n") + "\n"
+        old = where.get(lm.manifest.name)
+        if old is None:
+            path = folder / f"{lm.manifest.name}.yaml"
+            atomic_write(path, doc_text)
+            out.append(Applied(lm.manifest.name, str(path), "created"))
+            continue
+        if old.manifest == lm.manifest:
+            out.append(Applied(lm.manifest.name, old.file, "unchanged"))
+            continue
+        # Replace only the document itself: the file's own comments stay where they are.
+        _replace_doc(Path(old.file), old.document, _without_head_comments(doc_text))
+        out.append(Applied(lm.manifest.name, old.file, "configured"))
+    return out
+
+
+def _without_head_comments(doc_text: str) -> str:
+    lines = doc_text.splitlines(keepends=True)
+    while lines and (not lines[0].strip() or lines[0].lstrip().startswith("#")):
+        lines.pop(0)
+    return "".join(lines)
+
+
+def _replace_doc(path: Path, document: int, doc_text: str | None) -> None:
+    """Replace (or with None, remove) the ``document``-th (1-based) document of a file."""
+    text = path.read_text(encoding="utf-8")
+    docs = list(yaml.compose_all(text))
+    # Document numbers count empty documents too (see parse_text); map to spans.
+    spans = [(n.start_mark.index, n.end_mark.index) if n is not None else None for n in docs]
+    span = spans[document - 1]
+    remaining = [sp for i, sp in enumerate(spans) if sp is not None and i != document - 1]
+    if doc_text is None and not remaining:
+        path.unlink()
+        return
+    s, e = span
+    if doc_text is None:
+        # Drop the document and the separator line that introduced it.
+        before = text[:s]
+        cut = before.rstrip().rfind("---")
+        if cut != -1 and not before[cut:].strip("-\n \t"):
+            s = cut
+        new_text = text[:s] + text[e:].lstrip("\n")
+    else:
+        new_text = text[:s] + doc_text.rstrip("\n") + text[e:]
+    atomic_write(path, new_text if new_text.endswith("\n") else new_text + "\n")
+
+
+def delete_model(folder: Path, name: str) -> str | None:
+    """Remove model ``name`` from the folder; returns the file it was in, if found."""
+    for r in load_paths([folder]):
+        for lm in r.models:
+            if lm.manifest.name == name:
+                _replace_doc(Path(lm.file), lm.document, None)
+                return lm.file
+    return None

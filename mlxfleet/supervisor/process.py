@@ -1,0 +1,222 @@
+"""One worker process: spawn, log capture, readiness, stop.
+
+Parent-death detection: the supervisor hands each worker the read end of a
+pipe whose write end only the supervisor holds. When the supervisor dies, even
+by SIGKILL, the kernel closes the write end, the worker reads EOF and exits.
+This works the same on Linux and macOS (unlike ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import logging.handlers
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from ..manifest import Manifest
+
+log = logging.getLogger("mlxfleet.supervisor")
+
+PARENT_FD_ENV = "MLXFLEET_PARENT_FD"
+
+
+def worker_args(m: Manifest, bind: str) -> list[str]:
+    """The ``mlxfleet worker`` command line for a manifest."""
+    s = m.spec
+    args = ["worker", "--source", s.source, "--name", m.name, "--bind", bind,
+            "--max-concurrency", str(s.batching.max_concurrency),
+            "--max-queue", str(s.batching.max_queue),
+            "--prefill-batch-size", str(s.batching.prefill_batch_size),
+            "--prefill-step-size", str(s.batching.prefill_step_size)]
+    opt = {
+        "--revision": s.revision,
+        "--max-tokens-limit": s.limits.max_tokens,
+        "--max-request-tokens": s.limits.max_request_tokens,
+        "--max-tokens": s.defaults.max_tokens,
+        "--temperature": s.defaults.temperature,
+        "--top-p": s.defaults.top_p,
+        "--top-k": s.defaults.top_k,
+    }
+    for flag, v in opt.items():
+        if v is not None:
+            args += [flag, str(v)]
+    if s.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+class WorkerProcess:
+    """A spawned ``mlxfleet worker`` for one generation of one model's spec."""
+
+    def __init__(self, manifest: Manifest, socket_path: Path, log_path: Path,
+                 log_max_bytes: int, log_backups: int):
+        self.manifest = manifest
+        self.hash = manifest.worker_hash()
+        self.socket_path = socket_path
+        self.log_path = log_path
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.inflight = 0  # requests the gateway is forwarding to this process
+        self.ready_at: Optional[float] = None
+        self.started_at: Optional[float] = None
+        self.stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._parent_w: Optional[int] = None
+        self._log_task: Optional[asyncio.Task] = None
+        self._logger = _file_logger(log_path, log_max_bytes, log_backups)
+        self._client: Optional[httpx.AsyncClient] = None
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """A pooled HTTP client over this worker's Unix socket."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path)),
+                base_url="http://worker", timeout=httpx.Timeout(None, connect=10.0))
+        return self._client
+
+    async def spawn(self) -> None:
+        r, w = os.pipe()
+        env = {**os.environ, **self.manifest.spec.env, PARENT_FD_ENV: str(r),
+               "PYTHONUNBUFFERED": "1"}
+        self._logger.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker "
+                          f"{self.manifest.name} ({self.manifest.spec.source}) ---")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mlxfleet",
+                *worker_args(self.manifest, f"unix:{self.socket_path}"),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(r,),
+                start_new_session=True)  # our signals are ours to forward, not the tty's
+        finally:
+            os.close(r)
+        self._parent_w = w
+        self.started_at = time.monotonic()
+        self._log_task = asyncio.create_task(self._pump_logs())
+
+    async def _pump_logs(self) -> None:
+        assert self.proc and self.proc.stdout
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line:
+                return
+            self._logger.info(line.decode(errors="replace").rstrip("\n"))
+
+    async def health(self) -> Optional[dict]:
+        try:
+            r = await self.client.get("/health", timeout=5.0)
+            return r.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def wait_ready(self, timeout: float) -> tuple[bool, str]:
+        """Poll ``/health`` until ready; (False, reason) on exit, load failure or timeout."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while time.monotonic() < deadline:
+            if not self.alive:
+                return False, f"worker exited with code {self.proc.returncode} while loading"
+            h = await self.health()
+            if h is not None:
+                if h.get("state") == "ready":
+                    self.ready_at = time.monotonic()
+                    return True, ""
+                if h.get("state") == "failed":
+                    return False, h.get("error") or "the model failed to load"
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        return False, f"not ready after {timeout:.0f}s"
+
+    def acquire(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self.inflight <= 0:
+            self.inflight = 0
+            self._idle.set()
+
+    async def stop(self, drain_timeout: float, stop_timeout: float) -> Optional[int]:
+        """Let gateway requests finish, SIGTERM (worker drains too), SIGKILL if it lingers."""
+        self.stopping = True
+        if self.alive and self.inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s: %d requests still running after %.0fs; stopping anyway",
+                            self.manifest.name, self.inflight, drain_timeout)
+        code = None
+        if self.proc is not None:
+            if self.alive:
+                self._signal(signal.SIGTERM)
+            try:
+                code = await asyncio.wait_for(self.proc.wait(), stop_timeout)
+            except asyncio.TimeoutError:
+                log.warning("%s: worker %s ignored SIGTERM; killing", self.manifest.name,
+                            self.pid)
+                self._signal(signal.SIGKILL)
+                code = await self.proc.wait()
+        await self.close()
+        return code
+
+    def kill(self) -> None:
+        if self.alive:
+            self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the worker leads its own process group
+        except (ProcessLookupError, PermissionError):
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    async def close(self) -> None:
+        if self._parent_w is not None:
+            os.close(self._parent_w)
+            self._parent_w = None
+        if self._log_task is not None:
+            try:
+                await asyncio.wait_for(self._log_task, 2)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._log_task.cancel()
+            self._log_task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+_loggers: dict[str, logging.Logger] = {}
+
+
+def _file_logger(path: Path, max_bytes: int, backups: int) -> logging.Logger:
+    """A rotating file for one model's worker output (shared across its generations)."""
+    key = str(path)
+    lg = _loggers.get(key)
+    if lg is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lg = logging.getLogger(f"mlxfleet.workerlog.{len(_loggers)}")
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
+        h = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
+        h.setFormatter(logging.Formatter("%(message)s"))
+        lg.addHandler(h)
+        _loggers[key] = lg
+    return lg

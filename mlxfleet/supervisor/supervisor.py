@@ -1,0 +1,143 @@
+"""The control plane: watch the manifests folder and reconcile it into workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..manifest import FileResult, LoadedManifest, ManifestError, load_paths
+from ..settings import ServerSettings
+from .reconcile import Action, plan
+from .runtime import ModelRuntime
+
+log = logging.getLogger("mlxfleet.supervisor")
+
+
+class Supervisor:
+    """Owns every model runtime; the gateway asks it where to send requests."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.manifests_dir = Path(settings.manifests_dir).resolve()
+        self.log_dir = Path(settings.state_dir).expanduser().resolve() / "logs"
+        self.runtime_dir: Path = Path()
+        self.models: dict[str, ModelRuntime] = {}
+        self.aliases: dict[str, str] = {}
+        self.file_errors: dict[str, list[ManifestError]] = {}
+        self._last_good: dict[str, list[LoadedManifest]] = {}
+        self._watch_task: Optional[asyncio.Task] = None
+        self._stopping: set[asyncio.Task] = set()
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        # Sockets live in a private directory with a short path (macOS caps them at 104).
+        base = os.environ.get("XDG_RUNTIME_DIR") if os.name == "posix" else None
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="mlxfleet-", dir=base or "/tmp"))
+        os.chmod(self.runtime_dir, 0o700)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.manifests_dir.exists():
+            log.warning("manifests folder %s does not exist; creating it", self.manifests_dir)
+            self.manifests_dir.mkdir(parents=True)
+        await self.reload()
+        self._watch_task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._watch_task:
+            self._watch_task.cancel()
+        for rt in self.models.values():
+            rt.remove()
+        tasks = [rt.task for rt in self.models.values()] + list(self._stopping)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.models.clear()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # ---- routing ---------------------------------------------------------
+
+    def resolve(self, model: str) -> Optional[ModelRuntime]:
+        """The runtime for a model name or alias, if any."""
+        rt = self.models.get(model)
+        if rt is None and model in self.aliases:
+            rt = self.models.get(self.aliases[model])
+        return rt if rt is not None and not rt.removed else None
+
+    def names(self) -> list[str]:
+        return sorted(n for n, rt in self.models.items() if not rt.removed)
+
+    # ---- reconcile -------------------------------------------------------
+
+    def _desired(self, results: list[FileResult]) -> dict[str, LoadedManifest]:
+        """Manifests to run: each file's new models, or its last good ones if it broke."""
+        self.file_errors = {r.file: r.errors for r in results if r.errors}
+        present = {r.file for r in results}
+        for f in list(self._last_good):
+            if f not in present:
+                del self._last_good[f]
+        desired: dict[str, LoadedManifest] = {}
+        claimed: set[str] = set()
+        for r in results:
+            models = r.models if not r.errors else self._last_good.get(r.file, [])
+            if not r.errors:
+                self._last_good[r.file] = r.models
+            for lm in models:
+                keys = {lm.manifest.name, *lm.manifest.spec.aliases}
+                if keys & claimed:
+                    continue  # a clash in a last-good file: the earlier file wins
+                claimed |= keys
+                desired[lm.manifest.name] = lm
+        return desired
+
+    async def reload(self) -> None:
+        """Parse the manifests folder and act on the difference."""
+        async with self._lock:
+            results = await asyncio.to_thread(load_paths, [self.manifests_dir])
+            for r in results:
+                for e in r.errors:
+                    log.error("manifest error: %s", e)
+            desired = self._desired(results)
+            actions = plan({n: lm.manifest.worker_hash() for n, lm in desired.items()},
+                           {n: rt.manifest.worker_hash() for n, rt in self.models.items()})
+            for name, action in sorted(actions.items()):
+                lm = desired.get(name)
+                if action is Action.CREATE:
+                    log.info("%s: creating (%s)", name, lm.manifest.spec.source)
+                    self.models[name] = ModelRuntime(lm.manifest, lm.file, self)
+                elif action in (Action.KEEP, Action.REPLACE):
+                    self.models[name].update(lm.manifest, lm.file)
+                elif action is Action.DELETE:
+                    self._delete(name)
+            self.aliases = {a: n for n, lm in desired.items() for a in lm.manifest.spec.aliases}
+            for rt in self.models.values():
+                errs = self.file_errors.get(rt.file)
+                rt.set_manifest_error("; ".join(map(str, errs)) if errs else None)
+
+    def _delete(self, name: str) -> None:
+        rt = self.models.pop(name)
+        log.info("%s: deleting", name)
+        rt.remove()
+        self._stopping.add(rt.task)
+        rt.task.add_done_callback(self._stopping.discard)
+
+    async def _watch(self) -> None:
+        from watchfiles import awatch
+
+        def relevant(_change, path: str) -> bool:
+            return Path(path).suffix in (".yaml", ".yml")
+
+        while True:
+            try:
+                async for _ in awatch(self.manifests_dir, watch_filter=relevant,
+                                      debounce=self.settings.reload_debounce_ms,
+                                      recursive=False):
+                    await self.reload()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - e.g. the folder was removed; keep trying
+                log.exception("watching %s failed; retrying", self.manifests_dir)
+                await asyncio.sleep(2)
+                self.manifests_dir.mkdir(parents=True, exist_ok=True)
+                await self.reload()

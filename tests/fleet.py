@@ -1,0 +1,119 @@
+"""A real ``mlxfleet serve`` process over a temporary manifests folder, for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import openai
+from conftest import free_port
+
+
+def manifest(name: str, source: str = "builtin:tiny", **spec) -> str:
+    """A manifest document as YAML text; ``spec`` values are inlined as YAML flow."""
+    import yaml
+
+    body = {"source": source, **spec}
+    return yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Model",
+                           "metadata": {"name": name}, "spec": body}, sort_keys=False)
+
+
+def wait_for(pred: Callable, timeout: float = 30.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return pred()
+
+
+class Fleet:
+    def __init__(self, root: Path, env: Optional[dict] = None):
+        self.dir = root / "manifests"
+        self.dir.mkdir(exist_ok=True)
+        self.state = root / "state"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / "serve.log"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLXFLEET_BACKOFF_BASE": "0.5",
+                    "MLXFLEET_RELOAD_DEBOUNCE_MS": "100", "MLXFLEET_DRAIN_TIMEOUT": "20",
+                    "MLXFLEET_SERVER": self.url, **(env or {})}
+        self.proc: Optional[subprocess.Popen] = None
+
+    def write(self, filename: str, text: str) -> Path:
+        """Write a manifest file atomically, as editors do."""
+        p = self.dir / filename
+        tmp = self.dir / f".{filename}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, p)
+        return p
+
+    def start(self) -> Fleet:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxfleet", "serve", "--manifests", str(self.dir),
+             "--port", str(self.port), "--state-dir", str(self.state)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        ok = wait_for(self._up, timeout=30)
+        assert ok, self.logs()
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"serve exited:\n{self.logs()}")
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def cli(self, *args: str, input: Optional[str] = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mlxfleet", *args], capture_output=True,
+                              text=True, env=self.env, timeout=60, input=input)
+
+    def models(self) -> dict:
+        r = httpx.get(self.url + "/mlxfleet/v1/models", timeout=10).json()
+        return {m["name"]: m for m in r["items"]} | {"_errors": r["manifestErrors"]}
+
+    def status(self, name: str) -> Optional[dict]:
+        r = httpx.get(f"{self.url}/mlxfleet/v1/models/{name}", timeout=10)
+        return r.json() if r.status_code == 200 else None
+
+    def wait_ready(self, name: str, timeout: float = 60, pid_not: Optional[int] = None
+                   ) -> dict:
+        def ok():
+            s = self.status(name)
+            return s if s and s["ready"] and s["pid"] != pid_not else None
+
+        s = wait_for(ok, timeout)
+        assert s, f"{name} not ready: {self.status(name)}\n{self.logs()}"
+        return s
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
+
+    def chat(self, model: str, max_tokens: int = 4, **kw):
+        return self.openai().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
+            temperature=0, **kw)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc:
+            self._log.close()

@@ -1,0 +1,188 @@
+"""The manifest schema, the pure reconcile decisions, `validate` and `schema`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxfleet.manifest import load_paths, parse_duration, parse_text
+from mlxfleet.supervisor.apply import apply_text, delete_model
+from mlxfleet.supervisor.reconcile import Action, backoff_delay, failures_after_exit, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FULL = """\
+apiVersion: mlxfleet/v1
+kind: Model
+metadata:
+  name: qwen3-8b
+  labels: {tier: chat}
+spec:
+  source: mlx-community/Qwen3-8B-4bit
+  revision: main
+  aliases: [default, gpt-4o-mini]
+  keepAlive: 10m
+  preload: true
+  cache: {memoryMB: 2048}
+  batching: {maxConcurrency: 16, maxQueue: 64}
+  limits: {maxTokens: 4096, maxRequestTokens: 32768, timeout: 300s}
+  defaults: {temperature: 0.7, topP: 0.9}
+  parsers: {toolCall: hermes, reasoning: qwen3}
+  env: {}
+"""
+
+
+def doc(name="m", **spec):
+    body = "".join(f"\n  {k}: {json.dumps(v)}" for k, v in spec.items())
+    return f"apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {{name: {name}}}\nspec:" \
+           f"\n  source: builtin:tiny{body}\n"
+
+
+def test_the_documented_example_parses():
+    r = parse_text(FULL, "f.yaml")
+    assert not r.errors
+    m = r.models[0].manifest
+    assert m.name == "qwen3-8b" and m.spec.aliases == ["default", "gpt-4o-mini"]
+    assert m.spec.keep_alive == 600 and m.spec.cache.memory_mb == 2048
+    assert m.spec.limits.timeout == 300 and m.spec.defaults.top_p == 0.9
+    assert m.spec.parsers.tool_call == "hermes"
+
+
+@pytest.mark.parametrize("text,field,words", [
+    (doc(bogus=1), "spec.bogus", "unknown field"),
+    (doc(batching={"maxConcurrency": "x"}), "spec.batching.maxConcurrency", "integer"),
+    (doc(keepAlive="soon"), "spec.keepAlive", "not a duration"),
+    (doc(cache={"memoryMB": 1, "memoryPercent": 0.1}), "spec.cache", "not both"),
+    (doc(name="Bad_Name"), "metadata.name", "DNS label"),
+    (doc(aliases=["a", "a"]), "spec.aliases", "repeat"),
+    ("apiVersion: mlxfleet/v2\nkind: Model\nmetadata: {name: x}\nspec: {source: y}\n",
+     "apiVersion", "mlxfleet/v1"),
+    ("apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: x}\n", "spec", "missing"),
+])
+def test_errors_name_file_document_and_field(text, field, words):
+    r = parse_text(doc("ok") + "---\n" + text, "dir/f.yaml")
+    assert len(r.models) == 1 and r.errors
+    e = r.errors[0]
+    assert e.file == "dir/f.yaml" and e.document == 2 and e.field == field
+    assert words in str(e)
+
+
+def test_invalid_yaml_names_the_line():
+    r = parse_text("apiVersion: [\n", "x.yaml")
+    assert "invalid YAML at line" in str(r.errors[0])
+
+
+def test_duplicate_names_and_aliases_across_files(tmp_path):
+    (tmp_path / "a.yaml").write_text(doc("one", aliases=["chat"]))
+    (tmp_path / "b.yaml").write_text(doc("two", aliases=["chat"]))
+    (tmp_path / "c.yaml").write_text(doc("one"))
+    (tmp_path / ".hidden.yaml").write_text("not: [valid")
+    (tmp_path / "notes.txt").write_text("ignored")
+    results = {Path(r.file).name: r for r in load_paths([tmp_path])}
+    assert set(results) == {"a.yaml", "b.yaml", "c.yaml"}
+    assert not results["a.yaml"].errors
+    assert "'chat' is already used by" in str(results["b.yaml"].errors[0])
+    assert results["b.yaml"].errors[0].field == "spec.aliases[0]"
+    assert "'one' is already used" in str(results["c.yaml"].errors[0])
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("30s", 30), ("5m", 300), ("1h30m", 5400), (0, 0), ("0", 0), (90, 90), ("250ms", 0.25),
+    (-1, math.inf), ("forever", math.inf), ("-1", math.inf)])
+def test_durations(value, seconds):
+    assert parse_duration(value) == seconds
+
+
+def test_worker_hash_ignores_gateway_only_fields():
+    a = parse_text(doc("m"), "f").models[0].manifest
+    b = parse_text(doc("m", aliases=["x"], keepAlive="1h", preload=False), "f").models[0]
+    c = parse_text(doc("m", defaults={"temperature": 0.1}), "f").models[0].manifest
+    assert a.worker_hash() == b.manifest.worker_hash()
+    assert a.worker_hash() != c.worker_hash()
+
+
+def test_plan_is_create_keep_replace_delete():
+    got = plan({"new": "h1", "same": "h2", "changed": "h3"},
+               {"same": "h2", "changed": "old", "gone": "h4"})
+    assert got == {"new": Action.CREATE, "same": Action.KEEP, "changed": Action.REPLACE,
+                   "gone": Action.DELETE}
+    assert plan({}, {}) == {}
+
+
+def test_backoff_doubles_to_a_cap_and_resets_after_a_stable_period():
+    assert [backoff_delay(n, 1, 60) for n in range(0, 9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff_delay(10_000, 1, 300) == 300
+    assert failures_after_exit(5, ready_seconds=3, stable_period=60) == 6
+    assert failures_after_exit(5, ready_seconds=61, stable_period=60) == 1
+
+
+def test_apply_and_delete_edit_files_in_place(tmp_path):
+    multi = tmp_path / "many.yaml"
+    multi.write_text("# header comment\n" + doc("a") + "---\n# about b\n" + doc("b"))
+    out = apply_text(tmp_path, doc("b", aliases=["bee"]))
+    assert [(a.name, a.action) for a in out] == [("b", "configured")]
+    text = multi.read_text()
+    assert text.startswith("# header comment") and "# about b" in text and "bee" in text
+    assert [lm.manifest.name for r in load_paths([tmp_path]) for lm in r.models] == ["a", "b"]
+    assert delete_model(tmp_path, "a") == str(multi)
+    names = [lm.manifest.name for r in load_paths([tmp_path]) for lm in r.models]
+    assert names == ["b"] and not any(r.errors for r in load_paths([tmp_path]))
+    assert delete_model(tmp_path, "b") == str(multi)
+    assert not multi.exists()
+    assert delete_model(tmp_path, "zzz") is None
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlxfleet", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_validate_command(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(FULL)
+    r = _cli("validate", str(good))
+    assert r.returncode == 0 and "ok:" in r.stdout and "qwen3-8b" in r.stdout
+    r = _cli("validate", str(ROOT / "manifests"))
+    assert r.returncode == 0 and "tiny" in r.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(doc("x", batching={"maxQueue": -1}))
+    r = _cli("validate", str(good), str(bad))
+    assert r.returncode == 1
+    assert "bad.yaml (document 1): spec.batching.maxQueue" in r.stderr
+    r = _cli("validate", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 1 and "no such file" in r.stderr
+
+
+def test_schema_command_matches_the_committed_schema():
+    r = _cli("schema")
+    schema = json.loads(r.stdout)
+    assert schema["properties"]["apiVersion"]["const"] == "mlxfleet/v1"
+    assert "keepAlive" in json.dumps(schema) and "memoryMB" in json.dumps(schema)
+    # docs/manifest.schema.json is what editors load; it must not drift.
+    assert json.loads((ROOT / "docs" / "manifest.schema.json").read_text()) == schema
+
+
+@pytest.mark.parametrize("folder", ["manifests", "examples"])
+def test_bundled_manifests_and_examples_validate(folder):
+    results = load_paths([ROOT / folder])
+    assert results and not [str(e) for r in results for e in r.errors]
+
+
+def test_settings_flags_override_env_override_file(tmp_path, monkeypatch):
+    from mlxfleet.settings import load_settings
+
+    cfg = tmp_path / "settings.yaml"
+    cfg.write_text("port: 9000\nhost: 127.0.0.2\ndrain_timeout: 5\n")
+    monkeypatch.setenv("MLXFLEET_CONFIG", str(cfg))
+    monkeypatch.setenv("MLXFLEET_PORT", "9100")
+    s = load_settings()
+    assert (s.port, s.host, s.drain_timeout) == (9100, "127.0.0.2", 5)
+    assert load_settings(port=9200, host=None).port == 9200
+    monkeypatch.setenv("MLXFLEET_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(FileNotFoundError):
+        load_settings()
