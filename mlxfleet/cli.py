@@ -33,6 +33,11 @@ def _add_worker(sub) -> None:
                    help="requests allowed to wait beyond max-concurrency before 503")
     p.add_argument("--prefill-batch-size", type=int, default=8)
     p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--cache-mb", type=int, default=None,
+                   help="KV memory budget in MiB: running sequences plus retained prompt "
+                   "caches (default 1024)")
+    p.add_argument("--cache-percent", type=float, default=None,
+                   help="KV memory budget as a share (0-1) of physical memory")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="default completion length when a request sets none")
     p.add_argument("--max-tokens-limit", type=int, default=None,
@@ -46,7 +51,18 @@ def _add_worker(sub) -> None:
                    help="seconds SIGTERM waits for in-flight requests")
 
 
+def _cache_bytes(mb: Optional[int], percent: Optional[float]) -> int:
+    if percent is not None:
+        import psutil
+
+        return int(psutil.virtual_memory().total * percent)
+    return (mb if mb is not None else 1024) << 20
+
+
 def _run_worker(args) -> int:
+    from .blas import preload_blas
+
+    preload_blas()  # before anything imports mlx
     from .worker.completions import ModelDefaults
     from .worker.engine import EngineConfig
     from .worker.server import WorkerOptions, run_worker
@@ -63,7 +79,8 @@ def _run_worker(args) -> int:
                             prefill_batch_size=args.prefill_batch_size,
                             prefill_step_size=args.prefill_step_size,
                             revision=args.revision,
-                            trust_remote_code=args.trust_remote_code),
+                            trust_remote_code=args.trust_remote_code,
+                            cache_bytes=_cache_bytes(args.cache_mb, args.cache_percent)),
         defaults=ModelDefaults(max_tokens=args.max_tokens,
                                max_tokens_limit=args.max_tokens_limit,
                                max_request_tokens=args.max_request_tokens,
@@ -76,14 +93,14 @@ def _run_worker(args) -> int:
 
 
 def _run_make_model(args) -> int:
-    from .worker.builtin import BUILTIN_SIZES, write_builtin
-    from .worker.sources import BUILTIN_PREFIX
+    from .sources import BUILTIN_PREFIX
+    from .worker.builtin import BUILTIN_NAMES, write_builtin
 
     name = args.source[len(BUILTIN_PREFIX):] if args.source.startswith(BUILTIN_PREFIX) \
         else args.source
-    if name not in BUILTIN_SIZES:
+    if name not in BUILTIN_NAMES:
         print(f"error: unknown builtin model {args.source!r}; choose one of: "
-              + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_SIZES), file=sys.stderr)
+              + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES), file=sys.stderr)
         return 2
     out = write_builtin(name, Path(args.dir))
     print(f"wrote {BUILTIN_PREFIX}{name} to {out}")
@@ -121,6 +138,12 @@ def _add_server_commands(sub) -> None:
     for q in (g, d, lg, a, dl):
         q.add_argument("--server", default=None,
                        help="gateway URL (MLXFLEET_SERVER, else http://127.0.0.1:8000)")
+    ld = sub.add_parser("load", help="load a model now: mlxfleet load NAME")
+    ld.add_argument("name")
+    ul = sub.add_parser("unload", help="unload a model after its in-flight requests finish")
+    ul.add_argument("name")
+    for q in (ld, ul):
+        q.add_argument("--server", default=None, help="gateway URL")
     v = sub.add_parser("validate", help="check manifest files without a server")
     v.add_argument("paths", nargs="+")
     sub.add_parser("schema", help="print the manifest JSON Schema")
@@ -152,7 +175,8 @@ def _run_serve(args) -> int:
         (folder / f"{name}.yaml").write_text(
             "apiVersion: mlxfleet/v1\nkind: Model\n"
             f"metadata: {{name: {json.dumps(name)}}}\n"
-            f"spec: {{source: {json.dumps(args.source)}, aliases: [default]}}\n")
+            f"spec: {{source: {json.dumps(args.source)}, aliases: [default], "
+            "preload: true, keepAlive: forever}\n")
         settings.manifests_dir = folder
     asyncio.run(serve(settings))
     return 0
@@ -168,7 +192,8 @@ def _api(args, method: str, path: str, **kw):
 
     url = _server_url(args)
     try:
-        r = httpx.request(method, url + "/mlxfleet/v1" + path, timeout=30, **kw)
+        kw.setdefault("timeout", 30)
+        r = httpx.request(method, url + "/mlxfleet/v1" + path, **kw)
     except httpx.ConnectError:
         raise SystemExit(f"error: no mlxfleet server at {url} (start one with "
                          "`mlxfleet serve`, or pass --server)") from None
@@ -214,14 +239,21 @@ def _run_get(args) -> int:
         return 0
     rows = [["NAME", "SOURCE", "STATE", "READY", "RESTARTS", "MEMORY", "AGE"]]
     if args.output == "wide":
-        rows[0] += ["PID", "ALIASES"]
+        rows[0] += ["PID", "EST. MEMORY", "KEEP-ALIVE", "LAST USED", "EXPIRES", "ALIASES"]
     for m in data["items"]:
         row = [m["name"], m["source"], m["phase"], "1/1" if m["ready"] else "0/1",
                str(m["restarts"]), _mem(m["memoryBytes"]), _age(m["ageSeconds"])]
         if args.output == "wide":
-            row += [str(m["pid"] or "-"), ",".join(m["aliases"]) or "-"]
+            ka = m["keepAlive"]
+            row += [str(m["pid"] or "-"), _mem(m["memory"]["footprintBytes"]),
+                    ka if isinstance(ka, str) else f"{ka:g}s", m["lastUsed"] or "-",
+                    m["expiresAt"] or "-", ",".join(m["aliases"]) or "-"]
         rows.append(row)
     print(_table(rows) if len(rows) > 1 else "No models.")
+    mem = data.get("memory")
+    if mem:
+        print(f"\nmemory: {_mem(mem['usedBytes'])} used of {_mem(mem['budgetBytes'])} budget, "
+              f"{_mem(max(mem['freeBytes'], 0))} free")
     for errs in data.get("manifestErrors", {}).values():
         for e in errs:
             print(f"manifest error: {e}", file=sys.stderr)
@@ -240,6 +272,13 @@ def _run_describe(args) -> int:
     print(f"PID:           {m['pid'] or '-'}")
     print(f"Memory:        {_mem(m['memoryBytes'])}")
     print(f"Restarts:      {m['restarts']}")
+    ka = m["keepAlive"]
+    print(f"Keep-alive:    {ka if isinstance(ka, str) else f'{ka:g}s'}"
+          f"{' (pinned)' if m['pinned'] else ''}, priority {m['priority']}")
+    print(f"Last used:     {m['lastUsed'] or '-'}   expires: {m['expiresAt'] or '-'}")
+    mm = m["memory"]
+    print(f"Est. memory:   {_mem(mm['footprintBytes'])} (weights {_mem(mm['weightBytes'])}, "
+          f"KV cache {_mem(mm['cacheBytes'])}; measured {_mem(mm['measuredBytes'])})")
     print(f"Last error:    {m['lastError'] or '-'}")
     print(f"Log:           {m['logFile']}")
     print("Conditions:")
@@ -290,6 +329,18 @@ def _run_apply(args) -> int:
     return 0
 
 
+def _run_load(args) -> int:
+    m = _api(args, "POST", f"/models/{args.name}/load", timeout=None).json()
+    print(f"model/{m['name']} loaded (pid {m['pid']}, {_mem(m['memoryBytes'])})")
+    return 0
+
+
+def _run_unload(args) -> int:
+    m = _api(args, "POST", f"/models/{args.name}/unload", timeout=None).json()
+    print(f"model/{m['name']} unloaded")
+    return 0
+
+
 def _run_delete(args) -> int:
     r = _api(args, "DELETE", f"/models/{args.name}").json()
     print(f"model/{r['deleted']} deleted ({r['file']})")
@@ -332,7 +383,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     _add_server_commands(sub)
     _add_worker(sub)
     p = sub.add_parser("make-model", help="write a builtin model to a directory")
-    p.add_argument("source", help="builtin:tiny, builtin:tiny-10m, builtin:tiny-50m")
+    p.add_argument("source", help="builtin:tiny, builtin:tiny-10m, builtin:tiny-50m, "
+                   "builtin:demo")
     p.add_argument("dir", help="output directory")
     args = parser.parse_args(argv)
     quiet = args.command not in ("serve", "worker")  # client commands print, not log
@@ -341,7 +393,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     commands = {"worker": _run_worker, "make-model": _run_make_model, "serve": _run_serve,
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
-                "apply": _run_apply, "delete": _run_delete, "validate": _run_validate,
+                "apply": _run_apply, "delete": _run_delete, "load": _run_load,
+                "unload": _run_unload, "validate": _run_validate,
                 "schema": _run_schema}
     return commands[args.command](args)
 

@@ -114,8 +114,11 @@ class ModelSpec(_Spec):
     revision: Optional[str] = None
     aliases: list[str] = Field(default_factory=list)
     keep_alive: Optional[Duration] = None
-    preload: bool = True
-    pinned: bool = False
+    preload: bool = Field(default=False, description="load at start and on apply; "
+                          "otherwise on the first request")
+    pinned: bool = Field(default=False, description="never evicted to make room")
+    priority: int = Field(default=0, description="higher stays loaded longer under "
+                          "memory pressure")
     cache: CacheSpec = Field(default_factory=CacheSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
@@ -161,13 +164,18 @@ class Manifest(_Spec):
     def name(self) -> str:
         return self.metadata.name
 
+    def source_changed(self, other: Manifest) -> bool:
+        return (self.spec.source, self.spec.revision) != (other.spec.source,
+                                                          other.spec.revision)
+
     def worker_hash(self) -> str:
         """Hash of the fields a running worker depends on: a change means a new worker.
 
         Aliases, labels, keepAlive, preload and pinned are the gateway's and the
         scheduler's business and change without a restart.
         """
-        s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned"})
+        s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
+                                          "priority"})
         return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -41,10 +41,48 @@ class ServerSettings(BaseSettings):
     reload_debounce_ms: int = Field(300, ge=0)
     request_wait_timeout: float = Field(
         300.0, gt=0, description="seconds a request waits for its model to become ready")
+    keep_alive: str = Field("5m", description="idle time before a model unloads, when its "
+                            "manifest sets none: 30s, 5m, 1h, 0, -1/forever")
+    memory_budget: str = Field("70%", description="memory all loaded models may use: bytes "
+                               "(12GB, 512MiB) or a share of physical memory (70%)")
+    max_loaded_models: int = Field(0, ge=0, description="0 = no limit")
+    worker_overhead_mb: int = Field(300, ge=0, description="memory a worker needs beyond "
+                                    "weights and KV cache, until measured")
+    default_cache_mb: int = Field(1024, gt=0, description="KV budget of a model whose "
+                                  "manifest sets none")
     log_max_bytes: int = Field(10 << 20, gt=0)
     log_backups: int = Field(3, ge=0)
 
     config_file: Optional[Path] = Field(None, exclude=True)
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive(cls, v: str) -> str:
+        from .manifest import parse_duration
+
+        parse_duration(v)
+        return v
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget(cls, v: str) -> str:
+        from .supervisor.scheduler import parse_memory
+
+        parse_memory(v, 1 << 30)
+        return v
+
+    @property
+    def keep_alive_seconds(self) -> float:
+        from .manifest import parse_duration
+
+        return parse_duration(self.keep_alive)
+
+    def memory_budget_bytes(self) -> int:
+        import psutil
+
+        from .supervisor.scheduler import parse_memory
+
+        return parse_memory(self.memory_budget, psutil.virtual_memory().total)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,

@@ -20,7 +20,7 @@ def manifest(name: str, source: str = "builtin:tiny", **spec) -> str:
     """A manifest document as YAML text; ``spec`` values are inlined as YAML flow."""
     import yaml
 
-    body = {"source": source, **spec}
+    body = {"source": source, "preload": True, **spec}
     return yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Model",
                            "metadata": {"name": name}, "spec": body}, sort_keys=False)
 

@@ -55,7 +55,32 @@ def register_control(app: Quart, supervisor: Any) -> None:
     async def list_models():
         errors = {f: [str(e) for e in errs] for f, errs in supervisor.file_errors.items()}
         return {"items": [supervisor.models[n].status() for n in supervisor.names()],
-                "manifestErrors": errors}
+                "manifestErrors": errors, "memory": supervisor.memory_status()}
+
+    @app.post(f"{base}/models/<name>/load")
+    async def load(name: str):
+        from ..supervisor.supervisor import LoadRefused
+
+        rt = _runtime(supervisor, name)
+        try:
+            await supervisor.ensure_loaded(rt)
+            await rt.wait_ready(supervisor.settings.startup_timeout)
+        except LoadRefused as e:
+            raise APIError(503, str(e), type="service_unavailable",
+                           code="insufficient_memory") from None
+        except RuntimeError as e:
+            raise APIError(503, f"Model '{rt.name}' failed to load: {e}",
+                           type="service_unavailable", code="model_load_failed") from None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise APIError(503, f"Model '{rt.name}' is still loading.",
+                           type="service_unavailable", code="model_loading") from None
+        return rt.status()
+
+    @app.post(f"{base}/models/<name>/unload")
+    async def unload(name: str):
+        rt = _runtime(supervisor, name)
+        await supervisor.unload(rt)
+        return rt.status()
 
     @app.get(f"{base}/models/<name>")
     async def get_model(name: str):

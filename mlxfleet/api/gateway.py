@@ -62,26 +62,17 @@ def create_gateway(supervisor: Any) -> Quart:
             raise APIError(404, f"The model '{model}' does not exist. Available models: "
                            f"{', '.join(_available(supervisor)) or 'none'}.",
                            param="model", code="model_not_found")
+        if "keep_alive" in body:
+            rt.keep_alive_override = _keep_alive(body["keep_alive"])
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        for attempt in range(2):
-            worker = await _ready_worker(rt, supervisor.settings.request_wait_timeout)
-            worker.acquire()
-            try:
-                upstream = await worker.client.send(
-                    worker.client.build_request(request.method, request.path, content=raw,
-                                                headers=headers), stream=True)
-                break
-            except httpx.TransportError as e:
-                worker.release()
-                # Nothing reached the worker (it just crashed or is stopping):
-                # wait for the model to come back once, then give up cleanly.
-                if attempt == 1 or not isinstance(e, httpx.ConnectError):
-                    raise APIError(502, f"The worker for model '{rt.name}' failed: {e}",
-                                   type="server_error", code="worker_unavailable") from None
-                await asyncio.sleep(0.2)
-            except BaseException:
-                worker.release()
-                raise
+        target = (request.method, request.path, raw, headers)
+        if not rt.ready and body.get("stream") is True:
+            # Start the SSE stream now and keep it alive with comments while the
+            # model loads, so clients and proxies do not time out.
+            _check_queue(rt)
+            return streaming_response(_stream_after_load(supervisor, rt, target))
+        await _until_ready(supervisor, rt)
+        upstream, worker = await _send(supervisor, rt, target)
         ctype = upstream.headers.get("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
@@ -91,23 +82,10 @@ def create_gateway(supervisor: Any) -> Quart:
                                f"{e}", type="server_error", code="worker_failed") from None
             finally:
                 await upstream.aclose()
-                worker.release()
+                rt.end(worker)
             return Response(content, status=upstream.status_code, content_type=ctype)
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            except httpx.TransportError as e:
-                log.warning("%s: stream broke: %s", rt.name, e)
-                err = APIError(502, f"The worker for model '{rt.name}' failed mid-stream.",
-                               type="server_error", code="worker_failed")
-                yield sse(err.body()).encode() + b"data: [DONE]\n\n"
-            finally:
-                await upstream.aclose()
-                worker.release()
-
-        return streaming_response(relay(), status=upstream.status_code, content_type=ctype)
+        return streaming_response(_relay(rt, upstream, worker), status=upstream.status_code,
+                                  content_type=ctype)
 
     for route in MODEL_ROUTES:
         app.add_url_rule(route, endpoint=route, view_func=forward, methods=["POST"])
@@ -120,21 +98,120 @@ def _available(supervisor: Any) -> list[str]:
     return supervisor.names() + sorted(supervisor.aliases)
 
 
-async def _ready_worker(rt: Any, timeout: float):
-    """The worker serving ``rt``; waits while it starts, 503 if it cannot serve."""
-    if rt.ready:
-        return rt.current
+def _keep_alive(value: Any) -> float:
+    from ..manifest import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise APIError(400, f"Invalid keep_alive: {e}", param="keep_alive",
+                       code="invalid_value") from None
+
+
+def _check_queue(rt: Any) -> None:
+    limit = rt.manifest.spec.batching.max_queue
+    if rt.waiters >= limit:
+        raise APIError(503, f"Model '{rt.name}' has {rt.waiters} requests waiting for it to "
+                       f"load (maxQueue {limit}); retry shortly.", type="service_unavailable",
+                       code="queue_full", headers={"Retry-After": "2"})
+
+
+async def _until_ready(supervisor: Any, rt: Any) -> None:
+    """Load the model if needed (one load, shared by every waiter) and wait for it."""
+    from ..supervisor.supervisor import LoadRefused
+
+    if rt.ready and rt.want_loaded:
+        return
     if rt.phase == "CrashLoopBackOff":
         retry = max(1, int((rt.backoff_until or time.monotonic()) - time.monotonic()) + 1)
         raise APIError(503, f"Model '{rt.name}' is not available: {rt.last_error}. "
                        f"Restarting in about {retry}s.", type="service_unavailable",
                        code="model_unavailable", headers={"Retry-After": str(retry)})
+    _check_queue(rt)
+    timeout = supervisor.settings.request_wait_timeout
+    rt.waiters += 1
     try:
-        return await rt.wait_ready(timeout)
+        deadline = time.monotonic() + timeout
+        while not (rt.ready and rt.want_loaded):
+            await supervisor.ensure_loaded(rt)
+            await rt.wait_ready(max(0.1, deadline - time.monotonic()))
+    except LoadRefused as e:
+        raise APIError(503, str(e), type="service_unavailable", code="insufficient_memory"
+                       if "needs" in str(e) else "model_unavailable",
+                       headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
+    except RuntimeError as e:  # the load failed: every waiter hears why
+        raise APIError(503, f"Model '{rt.name}' failed to load: {e}",
+                       type="service_unavailable", code="model_load_failed",
+                       headers={"Retry-After": str(max(1, round(rt.retry_after())))}) from None
     except (asyncio.TimeoutError, TimeoutError):
         raise APIError(503, f"Model '{rt.name}' did not become ready in {timeout:.0f}s"
                        + (f": {rt.last_error}" if rt.last_error else "."),
                        type="service_unavailable", code="model_unavailable",
                        headers={"Retry-After": "5"}) from None
+    finally:
+        rt.waiters -= 1
 
 
+async def _send(supervisor: Any, rt: Any, target: tuple):
+    """Forward (method, path, body, headers) to the model's worker; (response, worker)."""
+    method, path, raw, headers = target
+    for attempt in range(2):
+        worker = rt.begin()
+        try:
+            upstream = await worker.client.send(
+                worker.client.build_request(method, path, content=raw, headers=headers),
+                stream=True)
+            return upstream, worker
+        except httpx.TransportError as e:
+            rt.end(worker)
+            # Nothing reached the worker (it just crashed or is stopping):
+            # wait for the model to come back once, then give up cleanly.
+            if attempt == 1 or not isinstance(e, httpx.ConnectError):
+                raise APIError(502, f"The worker for model '{rt.name}' failed: {e}",
+                               type="server_error", code="worker_unavailable") from None
+            await asyncio.sleep(0.2)
+            await _until_ready(supervisor, rt)
+        except BaseException:
+            rt.end(worker)
+            raise
+    raise AssertionError("unreachable")
+
+
+async def _relay(rt: Any, upstream: httpx.Response, worker: Any):
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError as e:
+        log.warning("%s: stream broke: %s", rt.name, e)
+        err = APIError(502, f"The worker for model '{rt.name}' failed mid-stream.",
+                       type="server_error", code="worker_failed")
+        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
+    finally:
+        await upstream.aclose()
+        rt.end(worker)
+
+
+async def _stream_after_load(supervisor: Any, rt: Any, target: tuple):
+    load = asyncio.ensure_future(_until_ready(supervisor, rt))
+    try:
+        while True:
+            done, _ = await asyncio.wait({load}, timeout=2.0)
+            if done:
+                break
+            yield f": loading model {rt.name}\n\n".encode()
+        load.result()
+        upstream, worker = await _send(supervisor, rt, target)
+    except APIError as err:
+        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
+        return
+    finally:
+        if not load.done():
+            load.cancel()
+    if upstream.status_code != 200:  # e.g. a 400 from the worker: report it in-band
+        body = await upstream.aread()
+        await upstream.aclose()
+        rt.end(worker)
+        yield b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n"
+        return
+    async for chunk in _relay(rt, upstream, worker):
+        yield chunk

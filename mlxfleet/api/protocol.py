@@ -79,6 +79,10 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+#: Request fields the gateway acts on; workers accept and ignore them.
+GATEWAY_FIELDS = frozenset({"keep_alive"})
+
+
 class _Model(BaseModel):
     # Unknown fields are kept (clients send vendor extras) and reported by the
     # worker's log rather than rejected, as vLLM and OpenAI-compatible servers do.

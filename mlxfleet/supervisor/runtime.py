@@ -1,8 +1,10 @@
-"""One model's lifecycle: start, readiness, crash backoff, rolling replace, stop.
+"""One model's lifecycle: load, readiness, crash backoff, rolling replace, keep-alive, unload.
 
-Each model has one asyncio task that drives its worker toward the current
-manifest. A spec change starts a new worker while the old one keeps serving;
-traffic moves only when the new one is Ready, then the old one drains.
+Each model has one asyncio task that drives its worker toward the desired
+state: loaded with the current manifest, or unloaded. A spec change starts a
+new worker while the old one keeps serving; traffic moves only when the new
+one is Ready, then the old one drains. Whether a model should be loaded is
+decided by the supervisor's scheduler (memory budget) and by keep-alive.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,12 +21,18 @@ from typing import Any, Optional
 from ..manifest import Manifest
 from .process import WorkerProcess
 from .reconcile import backoff_delay, failures_after_exit
+from .scheduler import Candidate, expires_at
 
 log = logging.getLogger("mlxfleet.supervisor")
 
 
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _iso(t: Optional[float] = None) -> str:
+    return datetime.fromtimestamp(time.time() if t is None else t, timezone.utc) \
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _iso_opt(t: Optional[float]) -> Optional[str]:
+    return None if t is None else _iso(t)
 
 
 class ModelRuntime:
@@ -38,21 +47,32 @@ class ModelRuntime:
         self.observed_generation: Optional[int] = None
         self.current: Optional[WorkerProcess] = None  # the worker traffic goes to
         self.starting: Optional[WorkerProcess] = None  # a worker still loading
+        self.want_loaded = False  # set by the scheduler (Supervisor.ensure_loaded)
         self.restarts = 0
         self.failures = 0  # consecutive, for the backoff
+        self.failed_at: Optional[float] = None
         self.last_error: Optional[str] = None
-        self.phase = "Pending"
+        self.phase = "Unloaded"
         self.created = time.time()
         self.removed = False
         self.manifest_error: Optional[str] = None
         self.events: collections.deque = collections.deque(maxlen=50)
         self.conditions: dict[str, dict[str, Any]] = {}
         self.backoff_until: Optional[float] = None
+        self.keep_alive_override: Optional[float] = None
+        self.last_used: Optional[float] = None
+        self.weight_bytes: Optional[int] = None
+        self.measured_bytes: Optional[int] = None
+        self.waiters = 0  # requests waiting for a load
         self._ready = asyncio.Event()
+        self._failed = asyncio.Event()
+        self._unloaded = asyncio.Event()
+        self._unloaded.set()
         self._wake = asyncio.Event()
+        self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._seq = 0
         self._draining: set[asyncio.Task] = set()
-        self._set_condition("Ready", False, "Pending", "no worker yet")
+        self._set_condition("Ready", False, "Unloaded", "not loaded")
         self.task = asyncio.create_task(self._run(), name=f"model:{manifest.name}")
 
     @property
@@ -62,6 +82,55 @@ class ModelRuntime:
     @property
     def ready(self) -> bool:
         return self.current is not None and self.current.alive and self._ready.is_set()
+
+    @property
+    def inflight(self) -> int:
+        return self.current.inflight if self.current else 0
+
+    @property
+    def keep_alive(self) -> float:
+        if self.keep_alive_override is not None:
+            return self.keep_alive_override
+        if self.manifest.spec.keep_alive is not None:
+            return self.manifest.spec.keep_alive
+        return self.settings.keep_alive_seconds
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.want_loaded or self.current is not None or self.starting is not None
+
+    # ---- memory ----------------------------------------------------------
+
+    def cache_bytes(self) -> int:
+        c = self.manifest.spec.cache
+        if c.memory_mb is not None:
+            return c.memory_mb << 20
+        if c.memory_percent is not None:
+            import psutil
+
+            return int(psutil.virtual_memory().total * c.memory_percent)
+        return self.settings.default_cache_mb << 20
+
+    def estimated_bytes(self) -> int:
+        return ((self.weight_bytes or 0) + self.cache_bytes()
+                + (self.settings.worker_overhead_mb << 20))
+
+    def footprint(self) -> int:
+        rss = self._rss()
+        if rss:
+            self.measured_bytes = max(self.measured_bytes or 0, rss)
+        return max(self.estimated_bytes(), self.measured_bytes or 0)
+
+    def candidate(self) -> Candidate:
+        s = self.manifest.spec
+        busy = self.inflight > 0 or self.starting is not None or (
+            self.want_loaded and not self.ready)
+        return Candidate(self.name, self.footprint(), self.holds_memory, busy, s.pinned,
+                         s.priority, self.last_used or self.created)
+
+    def _rss(self) -> Optional[int]:
+        w = self.current
+        return _rss(w.pid) if w and w.alive else None
 
     # ---- control ---------------------------------------------------------
 
@@ -73,31 +142,96 @@ class ModelRuntime:
             return
         self.generation += 1
         self.manifest = manifest
+        if manifest.source_changed(old):
+            self.weight_bytes = self.measured_bytes = None
         if manifest.worker_hash() != old.worker_hash():
-            self.event("Normal", "SpecChanged", "spec changed; rolling to a new worker")
+            self.event("Normal", "SpecChanged", "spec changed; rolling to a new worker"
+                       if self.holds_memory else "spec changed")
             self.failures = 0
+            self.failed_at = None
             self._wake.set()
         else:
             self.event("Normal", "Updated", "updated without restart (aliases, labels, "
-                       "keepAlive, preload or pinned)")
+                       "keepAlive, preload, pinned or priority)")
             if self.ready:
                 self.observed_generation = self.generation
+            self._arm_idle_timer()
+
+    def load(self) -> None:
+        """Called by the scheduler once the model fits."""
+        if not self.want_loaded:
+            self.want_loaded = True
+            self._unloaded.clear()
+            self._failed.clear()
+            self._wake.set()
+
+    def unload(self, reason: str) -> None:
+        if self.want_loaded:
+            self.want_loaded = False
+            self.event("Normal", "Unloading", reason)
+            self._wake.set()
 
     def remove(self) -> None:
         self.removed = True
         self._wake.set()
 
+    async def wait_unloaded(self) -> None:
+        await self._unloaded.wait()
+
     async def wait_ready(self, timeout: float) -> WorkerProcess:
-        """The ready worker, waiting while one starts; raises TimeoutError."""
-        await asyncio.wait_for(self._ready.wait(), timeout)
-        if self.current is None:
-            raise TimeoutError
-        return self.current
+        """The ready worker; raises TimeoutError, or RuntimeError if the load failed."""
+        ready = asyncio.ensure_future(self._ready.wait())
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({ready, failed}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            failed.cancel()
+        if self.ready:
+            return self.current
+        if self._failed.is_set():
+            raise RuntimeError(self.last_error or "the model failed to load")
+        raise TimeoutError
+
+    def begin(self) -> WorkerProcess:
+        """A request starts on the current worker: it is busy, not idle."""
+        w = self.current
+        w.acquire()
+        self.last_used = time.time()
+        if self._idle_timer:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        return w
+
+    def end(self, w: WorkerProcess) -> None:
+        w.release()
+        self.last_used = time.time()
+        if w is self.current and w.inflight == 0:
+            self._arm_idle_timer()
+            self.sup.notify_idle()
+
+    def _arm_idle_timer(self) -> None:
+        """The keep-alive clock starts when the last in-flight request ends."""
+        if self._idle_timer:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        ka = self.keep_alive
+        if not self.want_loaded or self.inflight or math.isinf(ka):
+            return
+        self._idle_timer = asyncio.get_running_loop().call_later(max(ka, 0.0), self._idle)
+
+    def _idle(self) -> None:
+        self._idle_timer = None
+        if self.want_loaded and self.inflight == 0 and self.starting is None \
+                and self.waiters == 0:
+            ka = self.keep_alive
+            self.unload(f"idle for {ka:g}s (keepAlive)")
 
     # ---- status ----------------------------------------------------------
 
     def event(self, type_: str, reason: str, message: str) -> None:
-        self.events.append({"time": _now_iso(), "type": type_, "reason": reason,
+        self.events.append({"time": _iso(), "type": type_, "reason": reason,
                             "message": message})
         (log.warning if type_ == "Warning" else log.info)("%s: %s: %s", self.name, reason,
                                                            message)
@@ -111,7 +245,7 @@ class ModelRuntime:
         changed = cur is None or cur["status"] != st
         self.conditions[type_] = {
             "type": type_, "status": st, "reason": reason, "message": message,
-            "lastTransitionTime": _now_iso() if changed else cur["lastTransitionTime"]}
+            "lastTransitionTime": _iso() if changed else cur["lastTransitionTime"]}
 
     def set_manifest_error(self, message: Optional[str]) -> None:
         self.manifest_error = message
@@ -123,18 +257,26 @@ class ModelRuntime:
 
     def status(self) -> dict[str, Any]:
         w = self.current
-        rss = _rss(w.pid) if w and w.alive else None
         spec = self.manifest.spec
+        footprint = self.footprint()
+        ka = self.keep_alive
+        exp = expires_at(self.last_used, ka, self.inflight > 0) if self.ready else None
         return {
             "name": self.name, "source": spec.source, "aliases": list(spec.aliases),
             "labels": dict(self.manifest.metadata.labels), "file": self.file,
-            "phase": self.phase, "ready": self.ready,
+            "phase": self.phase, "ready": self.ready, "loaded": self.holds_memory,
             "generation": self.generation, "observedGeneration": self.observed_generation,
             "restarts": self.restarts, "pid": w.pid if w and w.alive else None,
-            "memoryBytes": rss, "lastError": self.last_error,
-            "inflight": (w.inflight if w else 0),
-            "createdAt": datetime.fromtimestamp(self.created, timezone.utc)
-            .strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "memoryBytes": self._rss(), "lastError": self.last_error,
+            "inflight": self.inflight, "waiting": self.waiters,
+            "keepAlive": "forever" if math.isinf(ka) else ka,
+            "lastUsed": _iso_opt(self.last_used), "expiresAt": _iso_opt(exp),
+            "pinned": spec.pinned, "priority": spec.priority, "preload": spec.preload,
+            "memory": {"estimatedBytes": self.estimated_bytes(),
+                       "measuredBytes": self.measured_bytes,
+                       "weightBytes": self.weight_bytes, "cacheBytes": self.cache_bytes(),
+                       "footprintBytes": footprint},
+            "createdAt": _iso(self.created),
             "ageSeconds": round(time.time() - self.created, 1),
             "conditions": list(self.conditions.values()),
             "events": list(self.events),
@@ -158,7 +300,10 @@ class ModelRuntime:
         try:
             while not self.removed:
                 cur = self.current
-                if cur is not None and cur.alive and cur.hash == self.manifest.worker_hash():
+                if not self.want_loaded:
+                    await self._stay_unloaded()
+                elif cur is not None and cur.alive and \
+                        cur.hash == self.manifest.worker_hash():
                     await self._watch(cur)
                 else:
                     await self._start_worker()
@@ -170,8 +315,28 @@ class ModelRuntime:
         finally:
             await self._shutdown()
 
+    async def _stay_unloaded(self) -> None:
+        workers = [w for w in (self.starting, self.current) if w is not None]
+        if workers:
+            self.phase = "Unloading"
+            self._ready.clear()
+            self.current = self.starting = None
+            await asyncio.gather(*(w.stop(self.settings.drain_timeout,
+                                          self.settings.stop_timeout) for w in workers))
+            self.event("Normal", "Unloaded", "worker stopped; memory released")
+            self.sup.notify_idle()
+        self.phase = "Unloaded" if not self.failed_at or self.manifest.spec.preload \
+            else "Failed"
+        reason = "Unloaded" if self.phase == "Unloaded" else "LoadFailed"
+        self._set_condition("Ready", False, reason, "not loaded; loads on the next request"
+                            if reason == "Unloaded" else f"{self.last_error}")
+        self._unloaded.set()
+        self._wake.clear()
+        if not self.want_loaded and not self.removed:
+            await self._wake.wait()
+
     async def _watch(self, cur: WorkerProcess) -> None:
-        """Serve until the worker exits or the spec changes."""
+        """Serve until the worker exits, the spec changes, or an unload is asked."""
         self._wake.clear()
         exited = asyncio.ensure_future(cur.proc.wait())
         woken = asyncio.ensure_future(self._wake.wait())
@@ -179,7 +344,7 @@ class ModelRuntime:
         woken.cancel()
         if not exited.done():
             exited.cancel()
-            return  # re-evaluate: replace or remove
+            return  # re-evaluate: replace, unload or remove
         if cur.stopping or self.removed:
             return
         ready_for = time.monotonic() - (cur.ready_at or time.monotonic())
@@ -195,62 +360,91 @@ class ModelRuntime:
     async def _start_worker(self) -> None:
         if self.failures:  # a restart after a crash or a failed start
             self.restarts += 1
+        if self.weight_bytes is None:
+            from ..sources import weight_bytes
+
+            self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
+                                                        self.manifest.spec.revision)
         w = self._new_worker()
         self.starting = w
         replacing = self.current is not None
         self._wake.clear()
+        self._failed.clear()
         if replacing:
             self._set_condition("Progressing", True, "NewWorkerStarting",
                                 "starting a worker for the new spec; the old one serves")
         else:
-            self.phase = "Starting"
-            self._set_condition("Ready", False, "Starting", "the worker is loading the model")
+            self.phase = "Loading"
+            self._set_condition("Ready", False, "Loading", "the worker is loading the model")
         try:
             await w.spawn()
         except OSError as e:
             self.starting = None
-            await self._failed(w, f"could not start the worker: {e}")
+            await self._failed_start(w, f"could not start the worker: {e}")
             return
-        self.event("Normal", "Starting", f"started worker pid {w.pid} for generation "
+        self.event("Normal", "Loading", f"started worker pid {w.pid} for generation "
                    f"{self.generation}")
         ready = asyncio.ensure_future(w.wait_ready(self.settings.startup_timeout))
         woken = asyncio.ensure_future(self._wake.wait())
         await asyncio.wait({ready, woken}, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
-        if not ready.done():  # spec changed again or model removed while loading
+        if not ready.done():  # spec changed again, unloaded or removed while loading
             ready.cancel()
             self.starting = None
             w.kill()
             await w.stop(0, self.settings.stop_timeout)
-            self.event("Normal", "StartAbandoned", "superseded while loading")
+            self.event("Normal", "LoadAbandoned", "superseded while loading")
             return
         ok, why = ready.result()
         self.starting = None
         if not ok:
-            await self._failed(w, why)
+            await self._failed_start(w, why)
             return
         old, self.current = self.current, w
         self.observed_generation = self.generation
         self.phase = "Ready"
+        self.failed_at = None
         self._ready.set()
         self._set_condition("Ready", True, "WorkerReady", f"worker pid {w.pid} is serving")
         self.event("Normal", "Ready", f"worker pid {w.pid} ready in "
                    f"{time.monotonic() - w.started_at:.1f}s")
+        if self.weight_bytes is None:  # a builtin or download now on disk
+            from ..sources import weight_bytes
+
+            self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
+                                                        self.manifest.spec.revision)
+        self._arm_idle_timer()  # a load nobody uses still expires
         if old is not None:
             self._set_condition("Progressing", True, "RolloutComplete",
                                 "traffic moved to the new worker")
             self._drain(old)
 
-    async def _failed(self, w: WorkerProcess, why: str) -> None:
+    async def _failed_start(self, w: WorkerProcess, why: str) -> None:
         self.failures += 1
+        self.failed_at = time.monotonic()
         self.last_error = why
-        self.event("Warning", "StartFailed", why)
+        self.event("Warning", "LoadFailed", why)
         w.kill()
         await w.stop(0, self.settings.stop_timeout)
+        self._failed.set()  # waiters get the error now, not after the retries
         if self.current is not None:
             self._set_condition("Progressing", False, "NewWorkerFailed",
                                 f"{why}; the previous worker keeps serving")
+        elif not self.manifest.spec.preload:
+            # On-demand models do not retry by themselves: the next request does,
+            # once the backoff has passed (see Supervisor.ensure_loaded).
+            self.want_loaded = False
+            self.sup.notify_idle()
+            return
         await self._backoff()
+
+    def retry_after(self) -> float:
+        """Seconds until an on-demand model that failed to load may be tried again."""
+        if self.failed_at is None:
+            return 0.0
+        delay = backoff_delay(self.failures, self.settings.backoff_base,
+                              self.settings.backoff_cap)
+        return max(0.0, self.failed_at + delay - time.monotonic())
 
     async def _backoff(self) -> None:
         delay = backoff_delay(self.failures, self.settings.backoff_base,
@@ -279,6 +473,8 @@ class ModelRuntime:
     async def _shutdown(self) -> None:
         self.phase = "Terminating"
         self._ready.clear()
+        if self._idle_timer:
+            self._idle_timer.cancel()
         self._set_condition("Ready", False, "Terminating", "the model is stopping")
         workers = [w for w in (self.starting, self.current) if w is not None]
         self.current = self.starting = None
@@ -288,6 +484,9 @@ class ModelRuntime:
         await asyncio.gather(*(w.stop(self.settings.drain_timeout, self.settings.stop_timeout)
                                for w in workers), *self._draining, return_exceptions=True)
         self.phase = "Stopped"
+        self.want_loaded = False
+        self._unloaded.set()
+        self.sup.notify_idle()
         self.event("Normal", "Stopped", "all workers stopped")
 
 

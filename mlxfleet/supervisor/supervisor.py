@@ -14,8 +14,17 @@ from ..manifest import FileResult, LoadedManifest, ManifestError, load_paths
 from ..settings import ServerSettings
 from .reconcile import Action, plan
 from .runtime import ModelRuntime
+from .scheduler import fmt_bytes, plan_load
 
 log = logging.getLogger("mlxfleet.supervisor")
+
+
+class LoadRefused(Exception):
+    """A model cannot be loaded now; ``retry_after`` seconds may change that."""
+
+    def __init__(self, message: str, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Supervisor:
@@ -33,6 +42,10 @@ class Supervisor:
         self._watch_task: Optional[asyncio.Task] = None
         self._stopping: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
+        self._sched_lock = asyncio.Lock()
+        self._idle = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.memory_budget = settings.memory_budget_bytes()
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -49,6 +62,8 @@ class Supervisor:
     async def stop(self) -> None:
         if self._watch_task:
             self._watch_task.cancel()
+        for t in list(self._tasks):
+            t.cancel()
         for rt in self.models.values():
             rt.remove()
         tasks = [rt.task for rt in self.models.values()] + list(self._stopping)
@@ -105,9 +120,15 @@ class Supervisor:
                 lm = desired.get(name)
                 if action is Action.CREATE:
                     log.info("%s: creating (%s)", name, lm.manifest.spec.source)
-                    self.models[name] = ModelRuntime(lm.manifest, lm.file, self)
+                    self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self)
+                    if lm.manifest.spec.preload:
+                        self._spawn(self._preload(rt))
                 elif action in (Action.KEEP, Action.REPLACE):
-                    self.models[name].update(lm.manifest, lm.file)
+                    rt = self.models[name]
+                    was = rt.manifest.spec.preload
+                    rt.update(lm.manifest, lm.file)
+                    if lm.manifest.spec.preload and not was:
+                        self._spawn(self._preload(rt))
                 elif action is Action.DELETE:
                     self._delete(name)
             self.aliases = {a: n for n, lm in desired.items() for a in lm.manifest.spec.aliases}
@@ -121,6 +142,74 @@ class Supervisor:
         rt.remove()
         self._stopping.add(rt.task)
         rt.task.add_done_callback(self._stopping.discard)
+
+    # ---- scheduling ------------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _preload(self, rt: ModelRuntime) -> None:
+        try:
+            await self.ensure_loaded(rt)
+        except LoadRefused as e:
+            rt.event("Warning", "PreloadRefused", str(e))
+
+    def notify_idle(self) -> None:
+        """A model went idle (or gave up its memory): waiting loads may now fit."""
+        self._idle.set()
+
+    def memory_status(self) -> dict:
+        used = sum(rt.footprint() for rt in self.models.values() if rt.holds_memory)
+        loaded = [n for n, rt in self.models.items() if rt.holds_memory]
+        return {"budgetBytes": self.memory_budget, "usedBytes": used,
+                "freeBytes": self.memory_budget - used, "loaded": sorted(loaded),
+                "maxLoadedModels": self.settings.max_loaded_models or None}
+
+    async def ensure_loaded(self, rt: ModelRuntime) -> None:
+        """Make ``rt`` load, evicting idle models if it would not fit.
+
+        Only one load decision runs at a time, so two loads never both count
+        the same free memory. A busy model is never evicted: the decision waits
+        (bounded) for it to go idle. Raises LoadRefused when nothing can make room.
+        """
+        if rt.want_loaded:
+            return
+        wait = rt.retry_after()
+        if wait > 0:
+            raise LoadRefused(f"Model '{rt.name}' failed to load: {rt.last_error}. "
+                              f"Retrying in {wait:.0f}s.", retry_after=wait)
+        deadline = asyncio.get_running_loop().time() + self.settings.request_wait_timeout
+        async with self._sched_lock:
+            while not rt.want_loaded and not rt.removed:
+                others = [m.candidate() for m in self.models.values() if m is not rt]
+                p = plan_load(rt.candidate(), others, self.memory_budget,
+                              self.settings.max_loaded_models)
+                if p.ok:
+                    victims = [self.models[n] for n in p.evict]
+                    for v in victims:
+                        v.unload(f"evicted to make room for '{rt.name}' "
+                                 f"({fmt_bytes(rt.footprint())})")
+                    await asyncio.gather(*(v.wait_unloaded() for v in victims))
+                    rt.load()
+                    return
+                left = deadline - asyncio.get_running_loop().time()
+                if not p.wait or left <= 0:
+                    rt.event("Warning", "LoadRefused", p.message)
+                    raise LoadRefused(f"Cannot load model {p.message}.")
+                log.info("%s: waiting for a busy model to go idle: %s", rt.name, p.message)
+                self._idle.clear()
+                try:
+                    await asyncio.wait_for(self._idle.wait(), min(left, 5.0))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def unload(self, rt: ModelRuntime, reason: str = "unload requested") -> None:
+        """Unload after in-flight requests finish (the worker's drain grace period)."""
+        rt.unload(reason)
+        await rt.wait_unloaded()
+        self.notify_idle()
 
     async def _watch(self) -> None:
         from watchfiles import awatch

@@ -12,6 +12,7 @@ from quart import Quart, request
 
 from ..api.http import install_error_handlers, sse, streaming_response
 from ..api.protocol import (
+    GATEWAY_FIELDS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,6 +89,9 @@ class _Call:
     def completion_tokens(self) -> int:
         return sum(d.tokens for d in self.decoders)
 
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.gen.cached_tokens)
+
 
 def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = None,
                limits: Optional[WorkerLimits] = None) -> Quart:
@@ -138,7 +142,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
 
     async def start(cls: type[SamplingFields]):
         req = parse_request(cls, parse_json_body(await request.get_data()))
-        extras = sorted(req.model_extra or {})
+        extras = sorted(set(req.model_extra or {}) - GATEWAY_FIELDS)
         if extras:
             log.info("ignoring unsupported request fields: %s", ", ".join(extras))
         info = model_info()
@@ -190,7 +194,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                  "finish_reason": d.finish_reason}
             choices.append(c)
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(call.prompt_tokens, call.completion_tokens)}
+                "choices": choices, "usage": call.usage()}
 
     async def _chat_stream(call: _Call, req: ChatCompletionRequest, rid: str,
                            created: int) -> AsyncIterator[str]:
@@ -224,7 +228,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 yield "".join(out)
         if include_usage:
             yield sse({**base, "choices": [],
-                       "usage": usage(call.prompt_tokens, call.completion_tokens)})
+                       "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -252,7 +256,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 if req.logprobs is not None else None,
                 "finish_reason": d.finish_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(call.prompt_tokens, call.completion_tokens)}
+                "choices": choices, "usage": call.usage()}
 
     async def _completion_stream(call: _Call, req: CompletionRequest, rid: str, created: int,
                                  prompt_texts: Optional[list[str]]) -> AsyncIterator[str]:
@@ -284,7 +288,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 yield "".join(out)
         if include_usage:
             yield sse({**base, "choices": [],
-                       "usage": usage(call.prompt_tokens, call.completion_tokens)})
+                       "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
     return app

@@ -11,12 +11,13 @@ exactly like a downloaded model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ..sources import BUILTIN_FORMAT, builtin_cache_dir
 
 #: name -> Qwen3 shape. ``tiny`` is for tests, ``tiny-50m`` for benchmarks.
 BUILTIN_SIZES: dict[str, dict[str, int]] = {
@@ -27,10 +28,10 @@ BUILTIN_SIZES: dict[str, dict[str, int]] = {
     "tiny-50m": dict(hidden_size=512, num_hidden_layers=15, intermediate_size=1536,
                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }
+DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
+BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO]
 CONTEXT_LENGTH = 2048
 VOCAB_SIZE = 2048
-#: Bump when the generated files change, so stale caches are rebuilt.
-FORMAT_VERSION = 1
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -105,19 +106,20 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer():
+def train_tokenizer(corpus: list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2/Qwen style) trained on ``corpus``, with our special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
 
@@ -148,40 +150,35 @@ def _weights(shape: dict[str, int], vocab: int, seed: int) -> dict[str, np.ndarr
     return w
 
 
-def write_builtin(name: str, out_dir: Path) -> Path:
-    """Write the builtin model ``name`` (e.g. ``tiny``) as a checkpoint in ``out_dir``."""
-    if name not in BUILTIN_SIZES:
-        raise ValueError(
-            f"unknown builtin model {name!r}; choose one of: {', '.join(BUILTIN_SIZES)}"
-        )
+def write_checkpoint(out_dir: Path, tok, shape: dict[str, int], weights: dict,
+                     name: str, readme: str, context: int = CONTEXT_LENGTH) -> Path:
+    """Save a Qwen3 checkpoint (config, tokenizer with chat template, safetensors)."""
     from safetensors.numpy import save_file
 
-    shape = BUILTIN_SIZES[name]
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer()
-    vocab = tok.get_vocab_size()
     tok.save(str(out_dir / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     eos = ids["<|im_end|>"]
-
     config = {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],
         **shape,
-        "vocab_size": vocab,
+        "vocab_size": tok.get_vocab_size(),
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "max_position_embeddings": CONTEXT_LENGTH,
+        "max_position_embeddings": context,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
         "eos_token_id": eos,
         "bos_token_id": None,
-        "mlxfleet": {"builtin": name, "format": FORMAT_VERSION},
+        "mlxfleet": {"builtin": name, "format": BUILTIN_FORMAT},
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    not_special = {"<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
+                   "</tool_response>"}
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": CONTEXT_LENGTH,
+        "model_max_length": context,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "bos_token": None,
@@ -190,31 +187,40 @@ def write_builtin(name: str, out_dir: Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "special": t not in ("<tool_call>", "</tool_call>",
-                                                        "<think>", "</think>",
-                                                        "<tool_response>", "</tool_response>"),
-                     "lstrip": False, "rstrip": False, "normalized": False,
-                     "single_word": False}
+            str(i): {"content": t, "special": t not in not_special, "lstrip": False,
+                     "rstrip": False, "normalized": False, "single_word": False}
             for t, i in ids.items()
         },
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (out_dir / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [eos], "pad_token_id": ids["<|endoftext|>"]}))
-    save_file(_weights(shape, vocab, seed=sum(map(ord, name))),
+    save_file({k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
               str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
-    (out_dir / "README.md").write_text(
-        f"# builtin:{name}\n\nA Qwen3-architecture model with deterministic random "
-        "weights, written by mlxfleet for tests and benchmarks. It produces "
-        "gibberish by design.\n")
+    (out_dir / "README.md").write_text(readme)
     return out_dir
 
 
-def cache_dir() -> Path:
-    """Where builtin models are written once (``MLXFLEET_CACHE``, else XDG cache)."""
-    root = os.environ.get("MLXFLEET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxfleet")
-    return Path(root) / "builtin"
+def write_builtin(name: str, out_dir: Path) -> Path:
+    """Write the builtin model ``name`` (e.g. ``tiny``) as a checkpoint in ``out_dir``."""
+    if name == DEMO:
+        shutil.copytree(demo_dir(), out_dir, dirs_exist_ok=True)
+        return out_dir
+    if name not in BUILTIN_SIZES:
+        raise ValueError(f"unknown builtin model {name!r}; choose one of: "
+                         f"{', '.join([*BUILTIN_SIZES, DEMO])}")
+    shape = BUILTIN_SIZES[name]
+    tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+    weights = _weights(shape, tok.get_vocab_size(), seed=sum(map(ord, name)))
+    readme = (f"# builtin:{name}\n\nA Qwen3-architecture model with deterministic random "
+              "weights, written by mlxfleet for tests and benchmarks. It produces "
+              "gibberish by design.\n")
+    return write_checkpoint(out_dir, tok, shape, weights, name, readme)
+
+
+def demo_dir() -> Path:
+    """The trained demo model shipped inside the package (see scripts/train_demo.py)."""
+    return Path(__file__).resolve().parent.parent / "models" / "demo"
 
 
 def ensure_builtin(name: str) -> Path:
@@ -223,7 +229,9 @@ def ensure_builtin(name: str) -> Path:
     Written to a temporary sibling and renamed, so concurrent workers never see
     a half-written model.
     """
-    target = cache_dir() / f"{name}-v{FORMAT_VERSION}"
+    if name == DEMO:
+        return demo_dir()  # shipped ready-made: nothing is trained at start
+    target = builtin_cache_dir() / f"{name}-v{BUILTIN_FORMAT}"
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,15 @@ inbox; results come back to the event loop once per step, in one
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .prompt_cache import PromptCache
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -70,6 +73,8 @@ class Generation:
         self.finished = 0
         self.submitted_at = time.monotonic()
         self.cancelled = False
+        self.cached_tokens = 0  # prompt tokens served from the prompt cache
+        self.cache_hit: Optional[str] = None
 
     @property
     def num_sequences(self) -> int:
@@ -106,12 +111,14 @@ class EngineConfig:
     prefill_step_size: int = 512
     revision: Optional[str] = None
     trust_remote_code: bool = False
+    cache_bytes: int = 1 << 30  # KV budget: running sequences plus retained prompt caches
 
 
 @dataclass
 class _Seq:
     gen: Generation
     index: int
+    reserved: int  # KV bytes held for this sequence while it runs
 
 
 class Engine:
@@ -127,6 +134,7 @@ class Engine:
         self.context_length: Optional[int] = None
         self.vocab_size: Optional[int] = None
         self.stats = EngineStats()
+        self.prompt_cache: Optional[PromptCache] = None
         self.load_seconds: Optional[float] = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -197,7 +205,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm import load
 
-        from .sources import resolve_source
+        from ..sources import resolve_source
 
         t0 = time.monotonic()
         path = resolve_source(self.source, revision=self.config.revision)
@@ -230,10 +238,14 @@ class Engine:
         )
         self._seqs: dict[int, _Seq] = {}
         self._samplers: dict[tuple, Any] = {}
+        self._pending: collections.deque[Generation] = collections.deque()
+        self._reserved = 0
+        self.prompt_cache = PromptCache(cfg.cache_bytes)
+        self._kv_per_token = _kv_bytes_per_token(self._model)
 
     def _serve(self) -> None:
         while not self._stop:
-            if not self._seqs:
+            if not self._seqs and not self._pending:
                 item = self._inbox.get()  # idle: sleep until there is work
                 if not self._handle(item):
                     break
@@ -244,14 +256,44 @@ class Engine:
                     break
                 if not self._handle(item):
                     return
+            self._admit()
             if self._seqs:
                 self._step()
+            elif self._pending:  # only cancelled generations are left waiting
+                self._pending = collections.deque(g for g in self._pending
+                                                  if not g.cancelled)
+
+    def _need(self, gen: Generation) -> int:
+        """KV bytes one of ``gen``'s sequences may grow to (mlx_lm allocates in 256s)."""
+        longest = max(len(p) for p in gen.prompts) + gen.params.max_tokens
+        return self._kv_per_token * (-(-longest // 256) * 256)
+
+    def _admit(self) -> None:
+        """Start waiting generations while their KV fits the budget.
+
+        Retained prompt caches give way first; past that, new sequences wait
+        here rather than overrun memory. With nothing running, the head of the
+        queue always starts, so one oversized request cannot wedge the worker.
+        """
+        budget = self.config.cache_bytes
+        while self._pending:
+            gen = self._pending[0]
+            if gen.cancelled:
+                self._pending.popleft()
+                continue
+            need = self._need(gen) * gen.num_sequences
+            if self._seqs and self._reserved + need > budget:
+                break
+            self._pending.popleft()
+            self.prompt_cache.trim(budget - self._reserved - need)
+            self._insert(gen)
+        self.stats.waiting = len(self._pending) + len(self._bg._unprocessed_sequences)
 
     def _handle(self, item) -> bool:
         if item is None:
             return False
         if isinstance(item, _Submit):
-            self._insert(item.gen)
+            self._pending.append(item.gen)
         elif isinstance(item, _Cancel):
             uids = item.gen.uids
             if item.indices is not None:
@@ -260,7 +302,7 @@ class Engine:
             if uids:
                 self._bg.remove(uids)
                 for u in uids:
-                    del self._seqs[u]
+                    self._reserved -= self._seqs.pop(u).reserved
                 if item.indices is None:
                     self.stats.cancelled_total += 1
                 self._count()
@@ -271,11 +313,23 @@ class Engine:
             return
         p = gen.params
         try:
+            prompts, caches, cached = [], [], []
+            for pr in gen.prompts:
+                for _ in range(gen.n):
+                    cache, rest, kind = self.prompt_cache.fetch(list(pr))
+                    prompts.append(rest)
+                    caches.append(cache)
+                    cached.append(list(pr[:len(pr) - len(rest)]))
+                    if gen.cache_hit is None:
+                        gen.cache_hit = kind or "miss"
+            gen.cached_tokens = len(cached[0])
             samplers = [self._sampler(p, i) for i in range(gen.num_sequences)]
             procs = self._logits_processors(p)
             uids = self._bg.insert(
-                [list(pr) for pr in gen.prompts for _ in range(gen.n)],
+                prompts,
                 max_tokens=[p.max_tokens] * gen.num_sequences,
+                caches=caches,
+                all_tokens=cached,
                 samplers=samplers,
                 logits_processors=[procs] * gen.num_sequences,
             )
@@ -284,8 +338,10 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
+        need = self._need(gen)
         for i, uid in enumerate(uids):
-            self._seqs[uid] = _Seq(gen, i)
+            self._seqs[uid] = _Seq(gen, i, need)
+        self._reserved += need * len(uids)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
 
@@ -339,6 +395,10 @@ class Engine:
             out.append((seq.gen, ev))
             if r.finish_reason is not None:
                 del self._seqs[r.uid]
+                self._reserved -= seq.reserved
+                if r.prompt_cache is not None:
+                    self.prompt_cache.store(r.all_tokens, r.prompt_cache,
+                                            self.config.cache_bytes - self._reserved)
         st.generation_tokens_total += len(responses)
         self._count()
         if out:
@@ -347,7 +407,7 @@ class Engine:
     def _count(self) -> None:
         st, bg = self.stats, self._bg
         st.running = len(bg._generation_batch) + len(bg._prompt_batch)
-        st.waiting = len(bg._unprocessed_sequences)
+        st.waiting = len(bg._unprocessed_sequences) + len(self._pending)
         st.peak_running = max(st.peak_running, st.running)
 
     def _post(self, events: list[tuple[Generation, Any]]) -> None:
@@ -409,6 +469,29 @@ class _SeededSampler:
         return mx.random.categorical(logprobs * (1 / self._temp), key=sub)
 
 
+def _kv_bytes_per_token(model: Any) -> int:
+    """Bytes of K and V one token adds across all layers (0 if the shape is unknown)."""
+    try:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        caches = make_prompt_cache(model)
+        args = getattr(model, "args", None)
+        kv_heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        dtype = next(iter(v for _, v in _leaves(model.parameters()))).dtype
+        size = 4 if dtype == mx.float32 else 2  # quantized weights run in half precision
+        return 2 * len(caches) * kv_heads * head_dim * size
+    except Exception:  # noqa: BLE001 - unusual architectures: budget the cache only
+        return 0
+
+
+def _leaves(tree):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)
+
+
 def _context_length(config: dict, tokenizer: Any) -> Optional[int]:
     for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
                 "seq_length"):
@@ -427,6 +510,8 @@ def stats_dict(engine: Engine) -> dict[str, Any]:
         "prompt_tokens_total": st.prompt_tokens_total,
         "generation_tokens_total": st.generation_tokens_total,
         "cancelled_total": st.cancelled_total,
+        "kv_reserved_bytes": getattr(engine, "_reserved", 0),
+        "prompt_cache": engine.prompt_cache.status() if engine.state == "ready" else None,
     }
 
 

@@ -1,0 +1,101 @@
+"""Model sources: where a checkpoint lives, and how big its weights are.
+
+Three kinds of source:
+
+- ``builtin:NAME``: a tiny model mlxfleet writes itself (``worker/builtin.py``);
+- a local directory in Hugging Face / MLX layout;
+- a Hugging Face repo id (``mlx-community/Qwen3-0.6B-4bit``), downloaded with
+  ``huggingface_hub`` (progress bars on stderr; ``HF_HUB_OFFLINE=1`` means only
+  the local cache is used).
+
+Shared by the worker (to load) and the supervisor (to budget memory); it imports
+nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+BUILTIN_PREFIX = "builtin:"
+#: Bump when the generated builtin files change, so stale caches are rebuilt.
+BUILTIN_FORMAT = 1
+
+
+class SourceError(ValueError):
+    """The source cannot be turned into a model directory."""
+
+
+def source_kind(source: str) -> str:
+    """``builtin``, ``path`` or ``hf`` (a Hugging Face repo id)."""
+    if source.startswith(BUILTIN_PREFIX):
+        return "builtin"
+    expanded = os.path.expanduser(source)
+    if source.startswith((".", "/", "~")) or os.path.exists(expanded):
+        return "path"
+    return "hf"
+
+
+def builtin_cache_dir() -> Path:
+    """Where builtin models are written once (``MLXFLEET_CACHE``, else XDG cache)."""
+    root = os.environ.get("MLXFLEET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxfleet")
+    return Path(root) / "builtin"
+
+
+def resolve_source(source: str, revision: Optional[str] = None) -> Path:
+    """Return a local directory holding the checkpoint for ``source`` (may download)."""
+    kind = source_kind(source)
+    if kind == "builtin":
+        from .worker.builtin import ensure_builtin
+
+        return ensure_builtin(source[len(BUILTIN_PREFIX):])
+    if kind == "path":
+        path = Path(os.path.expanduser(source)).resolve()
+        if not (path / "config.json").is_file():
+            raise SourceError(f"{path} is not a model directory (no config.json)")
+        return path
+    _check_repo_id(source)
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    return Path(snapshot_download(source, revision=revision,
+                                  allow_patterns=DEFAULT_ALLOW_PATTERNS))
+
+
+def _check_repo_id(source: str) -> None:
+    parts = source.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise SourceError(f"{source!r} is neither a local directory, a builtin: model, "
+                          "nor a Hugging Face repo id (owner/name)")
+
+
+def local_dir(source: str, revision: Optional[str] = None) -> Optional[Path]:
+    """The checkpoint directory if it is already on disk; never downloads or writes."""
+    kind = source_kind(source)
+    if kind == "builtin":
+        name = source[len(BUILTIN_PREFIX):]
+        if name == "demo":
+            return Path(__file__).resolve().parent / "models" / "demo"
+        d = builtin_cache_dir() / f"{name}-v{BUILTIN_FORMAT}"
+        return d if d.is_dir() else None
+    if kind == "path":
+        d = Path(os.path.expanduser(source))
+        return d if d.is_dir() else None
+    try:
+        _check_repo_id(source)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or not a repo id): unknown
+        return None
+
+
+def weight_bytes(source: str, revision: Optional[str] = None) -> Optional[int]:
+    """Size of the safetensors weights, if the checkpoint is on disk."""
+    d = local_dir(source, revision)
+    if d is None:
+        return None
+    files = list(d.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
