@@ -47,6 +47,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="default temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="default top_p")
     p.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed chunk (requests may set stream_interval)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
 
@@ -67,7 +69,8 @@ def _run_worker(args) -> int:
     from .worker.engine import EngineConfig
     from .worker.server import WorkerOptions, run_worker
 
-    for flag in ("max_concurrency", "prefill_batch_size", "prefill_step_size", "max_tokens"):
+    for flag in ("max_concurrency", "prefill_batch_size", "prefill_step_size", "max_tokens",
+                 "stream_interval"):
         if getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
@@ -85,7 +88,7 @@ def _run_worker(args) -> int:
                                max_tokens_limit=args.max_tokens_limit,
                                max_request_tokens=args.max_request_tokens,
                                temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k),
+                               top_k=args.top_k, stream_interval=args.stream_interval),
         max_queue=args.max_queue,
         drain_timeout=args.drain_timeout,
     )

@@ -102,6 +102,8 @@ class DefaultsSpec(_Spec):
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=0)
     max_tokens: Optional[int] = Field(default=None, ge=1)
+    stream_interval: Optional[int] = Field(default=None, ge=1,
+                                           description="tokens per streamed chunk")
 
 
 class ParsersSpec(_Spec):

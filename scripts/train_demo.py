@@ -327,9 +327,11 @@ download. It is a toy: about {params:.1f}M parameters, float32.
   training loss {loss:.4f}; {minutes:.1f} minutes on 2 CPU cores (BLAS: {blas}).
 
 What it can do: answer the templated questions above (e.g. "What is the capital of Japan?" ->
-"The capital of Japan is Tokyo."), call the three tools when they are declared, and answer from
-a tool's result. What it cannot do: anything else. Questions outside its data get fluent
-nonsense. Use a real model (`mlx-community/Qwen3-0.6B-4bit`) for real work.
+"The capital of Japan is Tokyo."), name colours, repeat words, write the small JSON answers,
+call the three tools when they are declared, and answer from a tool's result. What it cannot do:
+arithmetic (it learned the answer's format, not the sums: "7 plus 5 is 7."), and anything
+outside its data, which gets fluent nonsense. Use a real model
+(`mlx-community/Qwen3-0.6B-4bit`) for real work.
 """
 
 if __name__ == "__main__":

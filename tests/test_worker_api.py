@@ -183,3 +183,16 @@ async def test_16_concurrent_streams_are_batched_with_exact_counts(worker, aclie
     # as many as the longest request.
     assert steps < tokens / 4, (steps, tokens)
     assert after["peak_running"] == 16
+
+
+def test_stream_interval_groups_tokens_into_fewer_chunks(client):
+    kw = dict(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    text, finish, chunks = _stream_chat(client, extra_body={"stream_interval": 4}, **kw)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert text == full and finish == "length"
+    assert 1 <= len(content) <= 3  # 12 tokens in chunks of 4
+    comp = list(client.completions.create(model="tiny", prompt="abc", max_tokens=10,
+                                          temperature=0, stream=True,
+                                          extra_body={"stream_interval": 5}))
+    assert len([c for c in comp if c.choices]) <= 2

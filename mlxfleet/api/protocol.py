@@ -156,6 +156,9 @@ class SamplingFields(_Model):
     user: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    stream_interval: Optional[int] = Field(default=None, ge=1, le=1024,
+                                           description="tokens per streamed chunk")
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
     @field_validator("stop")
     @classmethod

@@ -43,6 +43,7 @@ def worker_args(m: Manifest, bind: str) -> list[str]:
         "--temperature": s.defaults.temperature,
         "--top-p": s.defaults.top_p,
         "--top-k": s.defaults.top_k,
+        "--stream-interval": s.defaults.stream_interval,
         "--cache-mb": s.cache.memory_mb,
         "--cache-percent": s.cache.memory_percent,
     }

@@ -211,6 +211,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
 
         yield "".join(chunk(i, {"role": "assistant", "content": ""})
                       for i in range(len(call.decoders)))
+        pacer = _Pacer(len(call.decoders), _interval(req, defaults))
         async for batch in call.events():
             out = []
             for ev in batch:
@@ -218,17 +219,20 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 if dec.done:
                     continue
                 text = call.feed(ev)
-                lp = chat_logprobs(dec, [ev]) if req.logprobs and ev.logprob is not None \
-                    else None
-                if text or lp:
-                    out.append(chunk(ev.index, {"content": text}, None, lp))
+                lp = chat_logprobs(dec, [ev])["content"] if req.logprobs \
+                    and ev.logprob is not None else None
+                ready = pacer.add(ev.index, text, lp, dec.done)
+                if ready is not None:
+                    text, lps = ready
+                    if text or lps:
+                        out.append(chunk(ev.index, {"content": text}, None,
+                                         {"content": lps} if lps else None))
                 if dec.done:
                     out.append(chunk(ev.index, {}, dec.finish_reason))
             if out:
                 yield "".join(out)
         if include_usage:
-            yield sse({**base, "choices": [],
-                       "usage": call.usage()})
+            yield sse({**base, "choices": [], "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -273,6 +277,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         if prompt_texts:
             yield "".join(chunk(i, prompt_texts[i // req.n])
                           for i in range(len(call.decoders)))
+        pacer = _Pacer(len(call.decoders), _interval(req, defaults))
         async for batch in call.events():
             out = []
             for ev in batch:
@@ -280,18 +285,46 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 if dec.done:
                     continue
                 text = call.feed(ev)
-                lp = completion_logprobs(dec, [ev]) if req.logprobs is not None \
-                    and ev.logprob is not None else None
-                if text or lp or dec.done:
-                    out.append(chunk(ev.index, text, dec.finish_reason, lp))
+                lp = [ev] if req.logprobs is not None and ev.logprob is not None else None
+                ready = pacer.add(ev.index, text, lp, dec.done)
+                if ready is not None:
+                    text, evs = ready
+                    if text or evs or dec.done:
+                        out.append(chunk(ev.index, text, dec.finish_reason,
+                                         completion_logprobs(dec, evs) if evs else None))
             if out:
                 yield "".join(out)
         if include_usage:
-            yield sse({**base, "choices": [],
-                       "usage": call.usage()})
+            yield sse({**base, "choices": [], "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
     return app
+
+
+class _Pacer:
+    """Groups each choice's tokens into one SSE chunk per ``interval`` tokens."""
+
+    def __init__(self, n: int, interval: int):
+        self.interval = interval
+        self.text = [""] * n
+        self.extra: list[list] = [[] for _ in range(n)]
+        self.count = [0] * n
+
+    def add(self, i: int, text: str, extra: Optional[list], done: bool):
+        """Returns (text, extras) when a chunk is due, else None."""
+        self.text[i] += text
+        if extra:
+            self.extra[i].extend(extra)
+        self.count[i] += 1
+        if self.count[i] < self.interval and not done:
+            return None
+        out = (self.text[i], self.extra[i])
+        self.text[i], self.extra[i], self.count[i] = "", [], 0
+        return out
+
+
+def _interval(req: SamplingFields, defaults: ModelDefaults) -> int:
+    return req.stream_interval or defaults.stream_interval
 
 
 def _prompt_texts(call: _Call, req: CompletionRequest) -> list[str]:

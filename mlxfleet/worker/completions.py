@@ -28,6 +28,7 @@ class ModelDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    stream_interval: int = 1  # tokens per SSE chunk
 
 
 @dataclass
@@ -173,6 +174,7 @@ def sampling_params(info: ModelInfo, req: SamplingFields,
         frequency_penalty=req.frequency_penalty or None,
         logit_bias=bias,
         logprobs=req.num_logprobs,
+        ignore_eos=req.ignore_eos,
     )
 
 

@@ -38,6 +38,7 @@ class SamplingParams:
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[int, float]] = None
     logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
+    ignore_eos: bool = False
 
     def sampler_key(self) -> tuple:
         return (self.temperature, self.top_p, self.min_p, self.top_k)
@@ -239,6 +240,9 @@ class Engine:
         self._seqs: dict[int, _Seq] = {}
         self._samplers: dict[tuple, Any] = {}
         self._pending: collections.deque[Generation] = collections.deque()
+        from mlx_lm.generate import StopSequences
+
+        self._no_stop = StopSequences(None)
         self._reserved = 0
         self.prompt_cache = PromptCache(cfg.cache_bytes)
         self._kv_per_token = _kv_bytes_per_token(self._model)
@@ -332,6 +336,7 @@ class Engine:
                 all_tokens=cached,
                 samplers=samplers,
                 logits_processors=[procs] * gen.num_sequences,
+                stop_sequences=[self._no_stop] * gen.num_sequences if p.ignore_eos else None,
             )
         except Exception as e:  # noqa: BLE001 - bad parameters must not kill the engine
             log.warning("could not start a generation: %s", e)
