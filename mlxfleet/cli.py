@@ -147,6 +147,21 @@ def _add_server_commands(sub) -> None:
     ul.add_argument("name")
     for q in (ld, ul):
         q.add_argument("--server", default=None, help="gateway URL")
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server",
+                       description="N concurrent streaming clients with fixed prompt and "
+                       "output lengths; reports tokens/s, requests/s, TTFT and inter-token "
+                       "latency percentiles, errors.")
+    b.add_argument("--url", default=None, help="server URL (default: MLXFLEET_SERVER or "
+                   "http://127.0.0.1:8000)")
+    b.add_argument("--uds", help="connect over this Unix socket instead")
+    b.add_argument("--model", default="default")
+    b.add_argument("-c", "--concurrency", type=int, default=8)
+    b.add_argument("-n", "--requests", type=int, default=None,
+                   help="total requests (default 2 x concurrency)")
+    b.add_argument("--prompt-words", type=int, default=64)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--completions", action="store_true", help="use /v1/completions")
+    b.add_argument("--json", action="store_true", help="print the report as JSON")
     v = sub.add_parser("validate", help="check manifest files without a server")
     v.add_argument("paths", nargs="+")
     sub.add_parser("schema", help="print the manifest JSON Schema")
@@ -350,6 +365,22 @@ def _run_delete(args) -> int:
     return 0
 
 
+def _run_bench(args) -> int:
+    import asyncio
+
+    from .bench import format_report, run_bench
+
+    url = args.url or os.environ.get("MLXFLEET_SERVER") or "http://127.0.0.1:8000"
+    if args.uds:
+        url = "http://worker"
+    n = args.requests or 2 * args.concurrency
+    report = asyncio.run(run_bench(url, args.model, args.concurrency, n, args.prompt_words,
+                                   args.max_tokens, chat=not args.completions, uds=args.uds))
+    s = report.summary()
+    print(json.dumps(s, indent=2) if args.json else format_report(s))
+    return 1 if s["errors"] == n else 0
+
+
 def _run_validate(args) -> int:
     from .manifest import load_paths
 
@@ -397,7 +428,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = {"worker": _run_worker, "make-model": _run_make_model, "serve": _run_serve,
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
-                "unload": _run_unload, "validate": _run_validate,
+                "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
                 "schema": _run_schema}
     return commands[args.command](args)
 

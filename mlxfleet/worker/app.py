@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from quart import Quart, request
 
+from .. import blas
 from ..api.http import install_error_handlers, sse, streaming_response
 from ..api.protocol import (
     GATEWAY_FIELDS,
@@ -122,7 +123,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
     async def health():
         ok = engine.state == "ready"
         body = {"status": "ok" if ok else engine.state, "model": name, "state": engine.state,
-                "source": engine.source}
+                "source": engine.source, "blas": blas.active}
         if engine.error:
             body["error"] = engine.error
         return body, 200 if ok else 503
@@ -138,6 +139,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         return {"status": engine.state, "model": name, "source": engine.source,
                 "uptime_s": round(time.time() - started, 3),
                 "load_seconds": engine.load_seconds, "context_length": engine.context_length,
+                "blas": blas.active,
                 "inflight_requests": state["inflight"], **stats_dict(engine)}
 
     async def start(cls: type[SamplingFields]):

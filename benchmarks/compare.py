@@ -1,0 +1,346 @@
+"""Side by side on one model, in one run: raw BatchGenerator loop, mlx_lm.server, our worker
+directly, and through the gateway. Results are ratios measured in the same run.
+
+    .venv/bin/python benchmarks/compare.py [--model builtin:tiny-50m] [--streams 1 8 32]
+        [--max-tokens 128] [--prompt-words 64] [--write docs/performance.md]
+
+Run it by hand on an otherwise idle machine; it prints one table and, with
+--write, records it with the machine, BLAS, versions and this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlxfleet.blas import preload_blas  # noqa: E402
+
+BLAS = preload_blas()
+
+import httpx  # noqa: E402
+
+from mlxfleet.bench import make_prompt, run_bench  # noqa: E402
+from mlxfleet.sources import resolve_source  # noqa: E402
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 300, ok=lambda r: r.status_code == 200) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            if ok(httpx.get(url, timeout=2)):
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(url)
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log = open(log, "wb")
+        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        self.log.close()
+
+
+# ---- (a) the raw loop ------------------------------------------------------------
+
+def raw_loop(model_dir: Path, streams: int, prompt_words: int, max_tokens: int,
+             max_concurrency: int) -> dict:
+    """The ceiling: BatchGenerator in-process, no HTTP, no detokenizing."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tok = load(str(model_dir))
+    prompts = [tok.apply_chat_template([{"role": "user",
+                                         "content": make_prompt(prompt_words, f"{i} ")}],
+                                       add_generation_prompt=True) for i in range(streams)]
+    bg = BatchGenerator(model, stop_tokens=[], completion_batch_size=max_concurrency,
+                        prefill_batch_size=8, prefill_step_size=512)
+    # warm up
+    bg.insert(prompts[:1], max_tokens=[4])
+    while bg.next_generated() or len(bg._generation_batch):
+        pass
+    t0 = time.perf_counter()
+    bg.insert(prompts, max_tokens=[max_tokens] * streams)
+    tokens, first = 0, None
+    while True:
+        resp = bg.next_generated()
+        if not resp and not len(bg._generation_batch) and not bg._unprocessed_sequences:
+            break
+        if resp and first is None:
+            first = time.perf_counter() - t0
+        tokens += len(resp)
+    wall = time.perf_counter() - t0
+    bg.close()
+    return {"output_tokens_per_s": tokens / wall, "output_tokens": tokens,
+            "ttft_ms": {"p50": first * 1000 if first else None}}
+
+
+def raw_cold_load(model_dir: Path) -> float:
+    code = ("import time,sys; sys.path.insert(0, %r); from mlxfleet.blas import preload_blas;"
+            " preload_blas(); t=time.perf_counter(); import mlx_lm; mlx_lm.load(%r);"
+            " print(time.perf_counter()-t)" % (str(ROOT), str(model_dir)))
+    t0 = time.perf_counter()
+    subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True)
+    return time.perf_counter() - t0  # a whole process: imports + load, like a worker
+
+
+# ---- servers ---------------------------------------------------------------------------
+
+def bench(url: str, model: str, streams: int, args, **kw) -> dict:
+    n = max(streams * args.rounds, streams)
+    return asyncio.run(run_bench(url, model, streams, n, args.prompt_words, args.max_tokens,
+                                 **kw)).summary()
+
+
+def latency(url: str, model: str, n: int) -> list[float]:
+    """Sequential tiny non-streaming requests: the per-request cost of each hop."""
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1, "temperature": 0}
+        for _ in range(10):
+            c.post("/v1/chat/completions", json=body)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = c.post("/v1/chat/completions", json=body)
+            out.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+    return out
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def ttft_once(url: str, model: str, prompt: str) -> tuple[float, int]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, cached = None, 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and ttft is None and '"content":"' in line \
+                    and '"content":""' not in line:
+                ttft = time.perf_counter() - t0
+            if line.startswith("data: {") and '"usage":{' in line:
+                u = json.loads(line[6:])["usage"]
+                cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return (ttft or time.perf_counter() - t0), cached
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:tiny-50m")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-words", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="requests per stream")
+    ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--write", type=Path, help="write the results to this markdown file")
+    args = ap.parse_args()
+    model_dir = resolve_source(args.model)
+    max_conc = max(args.streams)
+    tmp = Path(tempfile.mkdtemp(prefix="mlxfleet-bench-"))
+    results: dict = {"streams": {}, "meta": {}}
+    procs: list[Proc] = []
+    try:
+        # (b) mlx_lm.server, with the same BLAS.
+        p_mlx = free_port()
+        code = ("import sys; sys.path.insert(0, %r); from mlxfleet.blas import preload_blas; "
+                "preload_blas(); from mlx_lm.server import main; sys.argv=sys.argv[1:]; main()"
+                % str(ROOT))
+        procs.append(Proc([PY, "-c", code, "mlx_lm.server", "--model", str(model_dir),
+                           "--port", str(p_mlx), "--decode-concurrency", str(max_conc),
+                           "--prompt-concurrency", "8"], tmp / "mlx_lm.log"))
+        # (c) our worker, directly.
+        p_w = free_port()
+        procs.append(Proc([PY, "-m", "mlxfleet", "worker", "--source", args.model, "--name",
+                           "bench", "--bind", f"127.0.0.1:{p_w}", "--max-concurrency",
+                           str(max_conc), "--max-tokens-limit", "4096", "--cache-mb", "2048"],
+                          tmp / "worker.log"))
+        # (d) through the gateway.
+        man = tmp / "manifests"
+        man.mkdir()
+        p_g = free_port()
+        procs.append(Proc([PY, "-m", "mlxfleet", "serve", "--manifests", str(man), "--port",
+                           str(p_g), "--state-dir", str(tmp / "state")], tmp / "serve.log",
+                          env={"MLXFLEET_RELOAD_DEBOUNCE_MS": "50"}))
+        urls = {"mlx_lm.server": f"http://127.0.0.1:{p_mlx}",
+                "worker": f"http://127.0.0.1:{p_w}", "gateway": f"http://127.0.0.1:{p_g}"}
+        wait_http(urls["mlx_lm.server"] + "/v1/models")
+        wait_http(urls["worker"] + "/health")
+        wait_http(urls["gateway"] + "/health")
+        # Cold start: manifest saved -> model Ready through the gateway.
+        t0 = time.perf_counter()
+        (man / "bench.yaml").write_text(
+            "apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: bench}\n"
+            f"spec: {{source: {json.dumps(args.model)}, preload: true, keepAlive: forever,\n"
+            f"  batching: {{maxConcurrency: {max_conc}}}, cache: {{memoryMB: 2048}},\n"
+            "  limits: {maxTokens: 4096}}\n")
+        wait_http(urls["gateway"] + "/mlxfleet/v1/models/bench",
+                  ok=lambda r: r.status_code == 200 and r.json()["ready"])
+        results["cold_start_s"] = time.perf_counter() - t0
+        results["raw_load_s"] = raw_cold_load(model_dir)
+
+        for s in args.streams:
+            row = {"raw": raw_loop(model_dir, s, args.prompt_words, args.max_tokens, max_conc)}
+            for name, url in urls.items():
+                model = "bench" if name != "mlx_lm.server" else str(model_dir)
+                row[name] = bench(url, model, s, args)
+            results["streams"][s] = row
+            print(f"streams {s}: " + ", ".join(
+                f"{k} {v['output_tokens_per_s']:.1f} tok/s" for k, v in row.items()),
+                flush=True)
+
+        # Gateway overhead on tiny non-streaming requests.
+        direct = latency(urls["worker"], "bench", args.latency_requests)
+        via = latency(urls["gateway"], "bench", args.latency_requests)
+        results["latency_ms"] = {
+            "direct_p50": 1000 * pct(direct, .5), "direct_p99": 1000 * pct(direct, .99),
+            "gateway_p50": 1000 * pct(via, .5), "gateway_p99": 1000 * pct(via, .99)}
+
+        # Prompt cache: a ~2k-token prompt, miss then hit (same worker).
+        long = make_prompt(1800, "cache-test ")
+        miss, _ = ttft_once(urls["gateway"], "bench", long)
+        hits = [ttft_once(urls["gateway"], "bench", long) for _ in range(3)]
+        results["prompt_cache"] = {"miss_ttft_s": miss,
+                                   "hit_ttft_s": statistics.median(h[0] for h in hits),
+                                   "hit_cached_tokens": hits[-1][1]}
+
+        # Swap: evict one model, load another (memory budget fits one).
+        results["swap_s"] = swap_time(args.model, tmp)
+        results["worker_memory"] = httpx.get(
+            urls["gateway"] + "/mlxfleet/v1/models/bench").json()["memory"]
+        results["worker_status"] = httpx.get(urls["worker"] + "/v1/status").json()
+    finally:
+        for p in procs:
+            p.stop()
+    results["meta"] = meta(args)
+    table = render(results, args)
+    print(table)
+    if args.write:
+        args.write.write_text(table)
+        print(f"wrote {args.write}")
+
+
+def swap_time(model: str, tmp: Path) -> float:
+    man = tmp / "swap"
+    man.mkdir()
+    for n in ("one", "two"):
+        (man / f"{n}.yaml").write_text(
+            f"apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {{name: {n}}}\n"
+            f"spec: {{source: {json.dumps(model)}, keepAlive: forever, "
+            "cache: {memoryMB: 100}}\n")
+    port = free_port()
+    p = Proc([PY, "-m", "mlxfleet", "serve", "--manifests", str(man), "--port", str(port),
+              "--state-dir", str(tmp / "swapstate")], tmp / "swap.log",
+             env={"MLXFLEET_MAX_LOADED_MODELS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health")
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        httpx.post(url + "/v1/chat/completions", json={"model": "one", **body}, timeout=300)
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "two", **body}, timeout=300)
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - t0
+    finally:
+        p.stop()
+
+
+def meta(args) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__, "blas": BLAS, "model": args.model,
+            "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
+
+
+def render(r: dict, args) -> str:
+    m = r["meta"]
+    lines = ["# Performance", "",
+             f"Measured {time.strftime('%Y-%m-%d')} on {m['platform']} ({m['cpus']} CPUs), "
+             f"Python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, BLAS: "
+             f"`{m['blas']}`. Model `{m['model']}`, prompt {args.prompt_words} words, "
+             f"{args.max_tokens} output tokens per request (`ignore_eos`), greedy.", "",
+             f"Reproduce: `{m['command']}`", "",
+             "## Aggregate output tokens/s by concurrent streams", "",
+             "| streams | raw loop | mlx_lm.server | worker | gateway | gateway/raw | "
+             "gateway/mlx_lm.server |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s, row in r["streams"].items():
+        raw = row["raw"]["output_tokens_per_s"]
+        ml = row["mlx_lm.server"]["output_tokens_per_s"]
+        w = row["worker"]["output_tokens_per_s"]
+        g = row["gateway"]["output_tokens_per_s"]
+        lines.append(f"| {s} | {raw:.1f} | {ml:.1f} | {w:.1f} | {g:.1f} | {g / raw:.2f}x | "
+                     f"{g / ml:.2f}x |" if ml else f"| {s} | {raw:.1f} | - | {w:.1f} | "
+                     f"{g:.1f} | {g / raw:.2f}x | - |")
+    lines += ["", "TTFT p50 / ITL p50 (ms):", ""]
+    lines += ["| streams | mlx_lm.server | worker | gateway |", "| --- | --- | --- | --- |"]
+    for s, row in r["streams"].items():
+        cells = []
+        for k in ("mlx_lm.server", "worker", "gateway"):
+            t, i = row[k]["ttft_ms"]["p50"], row[k]["itl_ms"]["p50"]
+            cells.append(f"{t or 0:.0f} / {i or 0:.1f}")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lat = r["latency_ms"]
+    pc = r["prompt_cache"]
+    mem = r["worker_memory"]
+    lines += ["", "## Other measurements", "",
+              "| what | value |", "| --- | --- |",
+              f"| gateway overhead, tiny non-streaming request, p50 | "
+              f"{lat['gateway_p50'] - lat['direct_p50']:+.2f} ms ({lat['direct_p50']:.2f} -> "
+              f"{lat['gateway_p50']:.2f}) |",
+              f"| gateway overhead, p99 | {lat['gateway_p99'] - lat['direct_p99']:+.2f} ms |",
+              f"| cold start: manifest saved -> Ready | {r['cold_start_s']:.2f} s |",
+              f"| raw: a process that imports mlx_lm and loads the model | "
+              f"{r['raw_load_s']:.2f} s |",
+              f"| swap: request for an unloaded model with one loaded (maxLoadedModels 1) | "
+              f"{r['swap_s']:.2f} s |",
+              f"| prompt cache, ~2k-token prompt: TTFT miss / hit | {pc['miss_ttft_s']*1000:.0f}"
+              f" ms / {pc['hit_ttft_s']*1000:.0f} ms ({pc['miss_ttft_s']/pc['hit_ttft_s']:.1f}x"
+              f", {pc['hit_cached_tokens']} cached tokens) |",
+              f"| worker memory after the run (RSS) vs estimate | "
+              f"{(mem['measuredBytes'] or 0) / 2**20:.0f} MiB vs "
+              f"{mem['estimatedBytes'] / 2**20:.0f} MiB |", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
