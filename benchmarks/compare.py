@@ -108,9 +108,8 @@ def raw_loop(model_dir: Path, streams: int, prompt_words: int, max_tokens: int,
 
 
 def raw_cold_load(model_dir: Path) -> float:
-    code = ("import time,sys; sys.path.insert(0, %r); from mlxfleet.blas import preload_blas;"
-            " preload_blas(); t=time.perf_counter(); import mlx_lm; mlx_lm.load(%r);"
-            " print(time.perf_counter()-t)" % (str(ROOT), str(model_dir)))
+    code = (f"import time,sys; sys.path.insert(0, {str(ROOT)!r}); from mlxfleet.blas import "
+            f"preload_blas; preload_blas(); import mlx_lm; mlx_lm.load({str(model_dir)!r})")
     t0 = time.perf_counter()
     subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True)
     return time.perf_counter() - t0  # a whole process: imports + load, like a worker
@@ -180,9 +179,9 @@ def main() -> None:
     try:
         # (b) mlx_lm.server, with the same BLAS.
         p_mlx = free_port()
-        code = ("import sys; sys.path.insert(0, %r); from mlxfleet.blas import preload_blas; "
-                "preload_blas(); from mlx_lm.server import main; sys.argv=sys.argv[1:]; main()"
-                % str(ROOT))
+        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from mlxfleet.blas import "
+                "preload_blas; preload_blas(); from mlx_lm.server import main; "
+                "sys.argv=sys.argv[1:]; main()")
         procs.append(Proc([PY, "-c", code, "mlx_lm.server", "--model", str(model_dir),
                            "--port", str(p_mlx), "--decode-concurrency", str(max_conc),
                            "--prompt-concurrency", "8"], tmp / "mlx_lm.log"))
@@ -233,8 +232,8 @@ def main() -> None:
             "direct_p50": 1000 * pct(direct, .5), "direct_p99": 1000 * pct(direct, .99),
             "gateway_p50": 1000 * pct(via, .5), "gateway_p99": 1000 * pct(via, .99)}
 
-        # Prompt cache: a ~2k-token prompt, miss then hit (same worker).
-        long = make_prompt(1800, "cache-test ")
+        # Prompt cache: a prompt near 2k tokens (inside the context), miss then hit.
+        long = long_prompt(model_dir, 1900)
         miss, _ = ttft_once(urls["gateway"], "bench", long)
         hits = [ttft_once(urls["gateway"], "bench", long) for _ in range(3)]
         results["prompt_cache"] = {"miss_ttft_s": miss,
@@ -255,6 +254,21 @@ def main() -> None:
     if args.write:
         args.write.write_text(table)
         print(f"wrote {args.write}")
+
+
+def long_prompt(model_dir: Path, tokens: int) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    words = tokens
+    while True:
+        text = make_prompt(words, "cache-test ")
+        n = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                   add_generation_prompt=True,
+                                                   tokenize=False)))
+        if n <= tokens:
+            return text
+        words = int(words * tokens / n) - 1
 
 
 def swap_time(model: str, tmp: Path) -> float:

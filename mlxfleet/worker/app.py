@@ -143,6 +143,13 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 "inflight_requests": state["inflight"], **stats_dict(engine)}
 
     async def start(cls: type[SamplingFields]):
+        engine.announce(1)
+        try:
+            return await _prepare(cls)
+        finally:
+            engine.announce(-1)
+
+    async def _prepare(cls: type[SamplingFields]):
         req = parse_request(cls, parse_json_body(await request.get_data()))
         extras = sorted(set(req.model_extra or {}) - GATEWAY_FIELDS)
         if extras:

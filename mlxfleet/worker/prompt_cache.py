@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 _KEY = "model"  # one model per worker: a single trie root
+#: Reusing a few shared tokens (a chat template's preamble) costs more than it saves:
+#: the cache is copied, trimmed and merged into the batch. Below this, prefill afresh.
+MIN_REUSE_TOKENS = 32
 
 
 @dataclass
@@ -48,6 +51,11 @@ class PromptCache:
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         found = self._lru._trie.search(_KEY, tokens)  # classify the hit for status
+        reusable = len(tokens) if found.exact is not None else max(
+            found.common_prefix if found.longer is not None else 0, len(found.shorter or []))
+        if reusable < MIN_REUSE_TOKENS:
+            self.stats.misses += 1
+            return None, tokens, None
         cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
         if cache is None:
             self.stats.misses += 1
