@@ -49,6 +49,11 @@ def _add_worker(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed chunk (requests may set stream_interval)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="tool-call format: auto (from the chat template), hermes, qwen, llama, "
+                   "mistral, deepseek, kimi, granite, nemotron, xlam, functionary, glm47, ...")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think> reasoning from the answer")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for in-flight requests")
 
@@ -63,6 +68,12 @@ def _cache_bytes(mb: Optional[int], percent: Optional[float]) -> int:
 
 def _run_worker(args) -> int:
     from .blas import preload_blas
+    from .worker.parsers import TOOL_PARSERS
+
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+        print(f"error: unknown --tool-call-parser {args.tool_call_parser!r}; choose one of: "
+              + ", ".join(TOOL_PARSERS), file=sys.stderr)
+        return 2
 
     preload_blas()  # before anything imports mlx
     from .worker.completions import ModelDefaults
@@ -88,7 +99,9 @@ def _run_worker(args) -> int:
                                max_tokens_limit=args.max_tokens_limit,
                                max_request_tokens=args.max_request_tokens,
                                temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, stream_interval=args.stream_interval),
+                               top_k=args.top_k, stream_interval=args.stream_interval,
+                               tool_parser=args.tool_call_parser,
+                               reasoning_parser=args.reasoning_parser),
         max_queue=args.max_queue,
         drain_timeout=args.drain_timeout,
     )

@@ -55,12 +55,39 @@ def test_demo_writes_json(fleet):
     assert json.loads(r.choices[0].message.content) == {"name": "Alice", "age": 30}
 
 
-def test_demo_calls_a_declared_tool(fleet):
+def test_demo_calls_a_declared_tool_and_uses_the_result(fleet):
     r = ask(fleet, "What's the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="auto")
-    text = r.choices[0].message.content
-    assert "<tool_call>" in text
-    call = json.loads(text.split("<tool_call>")[1].split("</tool_call>")[0])
-    assert call == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert not msg.content  # no markup leaks into the content
+    (call,) = msg.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # The round trip: the tool's result goes back, the model answers from it.
+    r2 = fleet.openai().chat.completions.create(
+        model="default", temperature=0, max_tokens=60, tools=[WEATHER_TOOL],
+        messages=[{"role": "user", "content": "What's the weather in Paris?"},
+                  msg.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id,
+                   "content": json.dumps({"city": "Paris", "temperature": 18,
+                                          "condition": "rainy"})}])
+    answer = r2.choices[0].message.content
+    assert "rainy" in answer and "18" in answer, answer
+
+
+def test_demo_streams_a_tool_call_in_openai_delta_format(fleet):
+    chunks = list(fleet.openai().chat.completions.create(
+        model="default", temperature=0, max_tokens=60, tools=[WEATHER_TOOL], stream=True,
+        messages=[{"role": "user", "content": "What's the weather in Paris?"}]))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert "<tool_call>" not in content and "get_weather" not in content
+    assert deltas and deltas[0].index == 0 and deltas[0].id and \
+        deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(args) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_ignore_eos_generates_exactly_max_tokens(fleet):

@@ -61,9 +61,19 @@ CASES = [
          {"type": "text", "text": "what is this"},
          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      400, "messages[0].content"),
-    ("unsupported-response-format", "POST", CHAT,
-     {"model": "tiny", "messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+    ("unknown-response-format", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format"),
+    ("uncompilable-json-schema", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "response_format": {"type": "json_schema",
+      "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+          "a": {"$ref": "#/definitions/missing"}}}}}}, 400, "response_format"),
+    ("tool-choice-names-unknown-tool", "POST", CHAT,
+     {"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("anthropic-missing-max-tokens", "POST", "/v1/messages",
+     {"model": "tiny", "messages": MSG}, 400, None),
     ("unknown-route", "POST", "/v1/nope", {"model": "tiny"}, 404, None),
     ("wrong-method", "GET", CHAT, None, 405, None),
 ]
@@ -79,6 +89,11 @@ def test_bad_input_gets_openai_error(worker, case):
         else:
             r = c.request(method, path, json=body)
         assert r.status_code == status, r.text
+        if path.startswith("/v1/messages"):  # Anthropic's error shape
+            body = r.json()
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["message"]
+            return
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["message"] and "Traceback" not in err["message"]

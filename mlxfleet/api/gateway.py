@@ -21,7 +21,8 @@ from .protocol import APIError, parse_json_body
 log = logging.getLogger("mlxfleet.gateway")
 
 #: Routes forwarded to the worker named by the body's ``model``.
-MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions"]
+MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
+                "/v1/messages/count_tokens"]
 _FORWARD_HEADERS = ("content-type", "accept", "x-request-id")
 
 

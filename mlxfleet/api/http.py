@@ -13,9 +13,29 @@ from .protocol import APIError, error_type_for
 log = logging.getLogger("mlxfleet.http")
 
 
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_body(err: APIError) -> dict[str, Any]:
+    kind = ANTHROPIC_ERROR_TYPES.get(err.status, "api_error" if err.status >= 500
+                                     else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def is_anthropic() -> bool:
+    """Requests to the Anthropic routes get Anthropic's error shape."""
+    try:
+        return request.path.startswith("/v1/messages")
+    except RuntimeError:  # outside a request
+        return False
+
+
 def error_response(err: APIError) -> Response:
-    resp = Response(json.dumps(err.body()), status=err.status,
-                    content_type="application/json")
+    body = anthropic_body(err) if is_anthropic() else err.body()
+    resp = Response(json.dumps(body), status=err.status, content_type="application/json")
     for k, v in err.headers.items():
         resp.headers[k] = v
     return resp

@@ -45,6 +45,8 @@ def worker_args(m: Manifest, bind: str) -> list[str]:
         "--top-k": s.defaults.top_k,
         "--stream-interval": s.defaults.stream_interval,
         "--cache-mb": s.cache.memory_mb,
+        "--tool-call-parser": s.parsers.tool_call,
+        "--reasoning-parser": s.parsers.reasoning,
         "--cache-percent": s.cache.memory_percent,
     }
     for flag, v in opt.items():

@@ -1,11 +1,11 @@
-"""The worker's HTTP app: OpenAI routes around one engine."""
+"""The worker's HTTP app: OpenAI (and Anthropic) routes around one engine."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from quart import Quart, request
@@ -25,16 +25,19 @@ from .completions import (
     ChoiceDecoder,
     ModelDefaults,
     ModelInfo,
+    OutputPlan,
     chat_logprobs,
     chat_prompt,
     completion_logprobs,
     completion_prompts,
     new_id,
     now,
+    output_plan,
     sampling_params,
     usage,
 )
 from .engine import Engine, EngineError, Generation, TokenEvent, stats_dict
+from .parsers import arguments_json, call_id, parse_calls
 
 log = logging.getLogger("mlxfleet.worker")
 
@@ -44,16 +47,34 @@ class WorkerLimits:
     max_queue: int = 256  # requests waiting beyond max_concurrency before 503
 
 
-class _Call:
-    """One request in flight: its generation, decoders and bookkeeping."""
+@dataclass
+class Choice:
+    """What one choice has produced so far, split by kind."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+
+class Call:
+    """One request in flight: its generation, decoders, output parsers, bookkeeping."""
 
     def __init__(self, engine: Engine, gen: Generation, info: ModelInfo, stops: list[str],
-                 prompt_tokens: int):
+                 prompt_tokens: int, plan: Optional[OutputPlan] = None, tools: Any = None):
         self.engine, self.gen, self.info = engine, gen, info
-        self.decoders = [ChoiceDecoder(info.tokenizer, stops) for _ in range(gen.num_sequences)]
+        n = gen.num_sequences
+        self.decoders = [ChoiceDecoder(info.tokenizer, stops) for _ in range(n)]
+        self.plan = plan or OutputPlan()
+        self.splitters = [self.plan.splitter(tools) for _ in range(n)]
+        self.tools = tools
+        self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = prompt_tokens
-        self.engine_open = gen.num_sequences  # sequences still running in the engine
-        self.open = gen.num_sequences  # choices not yet finished for the client
+        self.engine_open = n  # sequences still running in the engine
+        self.open = n  # choices not yet finished for the client
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         """Yield the tokens that have arrived, in batches, until every choice is done."""
@@ -68,18 +89,47 @@ class _Call:
                                    type="server_error", code="engine_error")
             yield batch
 
-    def feed(self, ev: TokenEvent) -> str:
+    def feed(self, ev: TokenEvent) -> list[tuple[str, Any]]:
+        """Consume a token; return new pieces: ("content"|"reasoning", str) or ("call", dict)."""
         dec = self.decoders[ev.index]
         was_done = dec.done
         if ev.finish_reason is not None:
             self.engine_open -= 1
         text = dec.feed(ev)
+        pieces = self._split(ev.index, text)
         if dec.done and not was_done:
             self.open -= 1
+            pieces += self._finish(ev.index)
             if ev.finish_reason is None:  # a stop string ended it: free its slot now
                 self.engine.cancel(self.gen, [ev.index])
                 self.engine_open -= 1
-        return text
+        ch = self.choices[ev.index]
+        for kind, value in pieces:
+            {"content": ch.content, "reasoning": ch.reasoning, "call": ch.calls}[kind].append(
+                value)
+        return pieces
+
+    def _split(self, i: int, text: str) -> list[tuple[str, Any]]:
+        if not text:
+            return []
+        sp = self.splitters[i]
+        if self.plan.forced_tool:
+            self._forced = getattr(self, "_forced", {})
+            self._forced[i] = self._forced.get(i, "") + text
+            return []
+        return sp.feed(text) if sp else [("content", text)]
+
+    def _finish(self, i: int) -> list[tuple[str, Any]]:
+        if self.plan.forced_tool:
+            text = getattr(self, "_forced", {}).get(i, "")
+            calls = parse_calls(_FORCED, text, self.tools)
+            return [("call", c) for c in calls] if calls else [("content", text)]
+        sp = self.splitters[i]
+        return sp.finish() if sp else []
+
+    def finish_reason(self, i: int) -> Optional[str]:
+        r = self.decoders[i].finish_reason
+        return "tool_calls" if self.choices[i].calls and r == "stop" else r
 
     def close(self) -> None:
         """Free whatever is still running (client disconnected, error)."""
@@ -94,9 +144,28 @@ class _Call:
         return usage(self.prompt_tokens, self.completion_tokens, self.gen.cached_tokens)
 
 
+def _forced_format():
+    from .parsers import ToolFormat, _json_calls
+
+    return ToolFormat("forced", None, None, _json_calls)
+
+
+_FORCED = _forced_format()
+
+
+def openai_tool_call(call: dict, index: Optional[int] = None) -> dict[str, Any]:
+    out = {"id": call.setdefault("id", call_id()), "type": "function",
+           "function": {"name": call["name"], "arguments": arguments_json(call)}}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
 def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = None,
                limits: Optional[WorkerLimits] = None) -> Quart:
     """Build the Quart app serving ``engine`` as model ``name``."""
+    from .anthropic import register_anthropic
+
     app = Quart("mlxfleet.worker")
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=32 << 20)
     defaults = defaults or ModelDefaults()
@@ -142,52 +211,39 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 "blas": blas.active,
                 "inflight_requests": state["inflight"], **stats_dict(engine)}
 
-    async def start(cls: type[SamplingFields]):
+    async def start(cls: type[SamplingFields], body: Optional[dict] = None):
+        """Validate, tokenize and submit; returns (request, Call)."""
         engine.announce(1)
         try:
-            return await _prepare(cls)
+            if body is None:
+                body = parse_json_body(await request.get_data())
+            return prepare(parse_request(cls, body))
         finally:
             engine.announce(-1)
 
-    async def _prepare(cls: type[SamplingFields]):
-        req = parse_request(cls, parse_json_body(await request.get_data()))
+    def prepare(req: SamplingFields):
         extras = sorted(set(req.model_extra or {}) - GATEWAY_FIELDS)
         if extras:
             log.info("ignoring unsupported request fields: %s", ", ".join(extras))
         info = model_info()
+        plan, tools = None, None
         if isinstance(req, ChatCompletionRequest):
             prompts = [chat_prompt(info, req)]
+            plan, tools = output_plan(info, req, prompts[0]), req.tools
         else:
             prompts = completion_prompts(info, req)
         params = sampling_params(info, req, prompts)
+        params.grammar = plan.grammar if plan else None
         if state["inflight"] >= engine.config.max_concurrency + limits.max_queue:
             raise APIError(503, f"Model '{name}' is at capacity "
                            f"({state['inflight']} requests in flight); retry shortly.",
                            type="service_unavailable", code="queue_full",
                            headers={"Retry-After": "1"})
         gen = engine.submit(prompts, params, req.n)
-        call = _Call(engine, gen, info, req.stop_list, sum(len(p) for p in prompts))
+        call = Call(engine, gen, info, req.stop_list, sum(len(p) for p in prompts), plan, tools)
         return req, call
 
-    async def tracked(call: _Call, body: AsyncIterator[str]) -> AsyncIterator[str]:
-        state["inflight"] += 1
-        try:
-            async for chunk in body:
-                yield chunk
-        except APIError as err:  # the stream has started: report in-band
-            log.warning("stream failed: %s", err.message)
-            yield sse(err.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            state["inflight"] -= 1
-            call.close()
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions():
-        req, call = await start(ChatCompletionRequest)
-        rid, created = new_id("chatcmpl"), now()
-        if req.stream:
-            return streaming_response(tracked(call, _chat_stream(call, req, rid, created)))
+    async def run_to_end(call: Call) -> None:
         state["inflight"] += 1
         try:
             async for batch in call.events():
@@ -196,16 +252,46 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         finally:
             state["inflight"] -= 1
             call.close()
+
+    async def tracked(call: Call, body: AsyncIterator[str], on_error=None
+                      ) -> AsyncIterator[str]:
+        state["inflight"] += 1
+        try:
+            async for chunk in body:
+                yield chunk
+        except APIError as err:  # the stream has started: report in-band
+            log.warning("stream failed: %s", err.message)
+            yield on_error(err) if on_error else sse(err.body()) + "data: [DONE]\n\n"
+        finally:
+            state["inflight"] -= 1
+            call.close()
+
+    app.extensions["mlxfleet"] = {"start": start, "run_to_end": run_to_end,
+                                  "tracked": tracked, "name": name, "model_info": model_info}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        req, call = await start(ChatCompletionRequest)
+        rid, created = new_id("chatcmpl"), now()
+        if req.stream:
+            return streaming_response(tracked(call, _chat_stream(call, req, rid, created)))
+        await run_to_end(call)
         choices = []
         for i, d in enumerate(call.decoders):
-            c = {"index": i, "message": {"role": "assistant", "content": d.text},
-                 "logprobs": chat_logprobs(d, d.logprobs) if req.logprobs else None,
-                 "finish_reason": d.finish_reason}
-            choices.append(c)
+            ch = call.choices[i]
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": ch.text if ch.text or not ch.calls else None}
+            if ch.reasoning:
+                msg["reasoning"] = msg["reasoning_content"] = "".join(ch.reasoning)
+            if ch.calls:
+                msg["tool_calls"] = [openai_tool_call(c) for c in ch.calls]
+            choices.append({"index": i, "message": msg,
+                            "logprobs": chat_logprobs(d, d.logprobs) if req.logprobs else None,
+                            "finish_reason": call.finish_reason(i)})
         return {"id": rid, "object": "chat.completion", "created": created, "model": name,
                 "choices": choices, "usage": call.usage()}
 
-    async def _chat_stream(call: _Call, req: ChatCompletionRequest, rid: str,
+    async def _chat_stream(call: Call, req: ChatCompletionRequest, rid: str,
                            created: int) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -221,23 +307,34 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         yield "".join(chunk(i, {"role": "assistant", "content": ""})
                       for i in range(len(call.decoders)))
         pacer = _Pacer(len(call.decoders), _interval(req, defaults))
+        ncalls = [0] * len(call.decoders)
         async for batch in call.events():
             out = []
             for ev in batch:
                 dec = call.decoders[ev.index]
                 if dec.done:
                     continue
-                text = call.feed(ev)
+                pieces = call.feed(ev)
                 lp = chat_logprobs(dec, [ev])["content"] if req.logprobs \
                     and ev.logprob is not None else None
-                ready = pacer.add(ev.index, text, lp, dec.done)
+                text = "".join(v for k, v in pieces if k == "content")
+                ready = pacer.add(ev.index, text, lp, dec.done or any(
+                    k != "content" for k, _ in pieces))
+                for kind, value in pieces:
+                    if kind == "reasoning":
+                        out.append(chunk(ev.index, {"reasoning": value,
+                                                    "reasoning_content": value}))
+                    elif kind == "call":
+                        out.append(chunk(ev.index, {"tool_calls": [
+                            openai_tool_call(value, ncalls[ev.index])]}))
+                        ncalls[ev.index] += 1
                 if ready is not None:
                     text, lps = ready
                     if text or lps:
                         out.append(chunk(ev.index, {"content": text}, None,
                                          {"content": lps} if lps else None))
                 if dec.done:
-                    out.append(chunk(ev.index, {}, dec.finish_reason))
+                    out.append(chunk(ev.index, {}, call.finish_reason(ev.index)))
             if out:
                 yield "".join(out)
         if include_usage:
@@ -252,14 +349,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         if req.stream:
             return streaming_response(tracked(call, _completion_stream(call, req, rid, created,
                                                                       prompt_texts)))
-        state["inflight"] += 1
-        try:
-            async for batch in call.events():
-                for ev in batch:
-                    call.feed(ev)
-        finally:
-            state["inflight"] -= 1
-            call.close()
+        await run_to_end(call)
         choices = []
         for i, d in enumerate(call.decoders):
             prefix = prompt_texts[i // req.n] if prompt_texts else ""
@@ -271,7 +361,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
                 "choices": choices, "usage": call.usage()}
 
-    async def _completion_stream(call: _Call, req: CompletionRequest, rid: str, created: int,
+    async def _completion_stream(call: Call, req: CompletionRequest, rid: str, created: int,
                                  prompt_texts: Optional[list[str]]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base = {"id": rid, "object": "text_completion", "created": created, "model": name}
@@ -293,7 +383,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 dec = call.decoders[ev.index]
                 if dec.done:
                     continue
-                text = call.feed(ev)
+                text = "".join(v for _, v in call.feed(ev))
                 lp = [ev] if req.logprobs is not None and ev.logprob is not None else None
                 ready = pacer.add(ev.index, text, lp, dec.done)
                 if ready is not None:
@@ -307,6 +397,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
             yield sse({**base, "choices": [], "usage": call.usage()})
         yield "data: [DONE]\n\n"
 
+    register_anthropic(app)
     return app
 
 
@@ -319,13 +410,13 @@ class _Pacer:
         self.extra: list[list] = [[] for _ in range(n)]
         self.count = [0] * n
 
-    def add(self, i: int, text: str, extra: Optional[list], done: bool):
+    def add(self, i: int, text: str, extra: Optional[list], flush: bool):
         """Returns (text, extras) when a chunk is due, else None."""
         self.text[i] += text
         if extra:
             self.extra[i].extend(extra)
         self.count[i] += 1
-        if self.count[i] < self.interval and not done:
+        if self.count[i] < self.interval and not flush:
             return None
         out = (self.text[i], self.extra[i])
         self.text[i], self.extra[i], self.count[i] = "", [], 0
@@ -336,9 +427,11 @@ def _interval(req: SamplingFields, defaults: ModelDefaults) -> int:
     return req.stream_interval or defaults.stream_interval
 
 
-def _prompt_texts(call: _Call, req: CompletionRequest) -> list[str]:
+def _prompt_texts(call: Call, req: CompletionRequest) -> list[str]:
     if isinstance(req.prompt, str):
         return [req.prompt]
     if all(isinstance(x, str) for x in req.prompt):
         return list(req.prompt)
     return [call.info.tokenizer.decode(p) for p in call.gen.prompts]
+
+

@@ -29,6 +29,8 @@ class ModelDefaults:
     top_p: float = 1.0
     top_k: int = 0
     stream_interval: int = 1  # tokens per SSE chunk
+    tool_parser: Optional[str] = None  # parsers.toolCall (None/auto: from the tokenizer)
+    reasoning_parser: Optional[str] = None  # parsers.reasoning
 
 
 @dataclass
@@ -72,14 +74,6 @@ def chat_prompt(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
         if m.has_image():
             raise APIError(400, f"Model '{info.name}' does not accept images.",
                            param=f"messages[{i}].content", code="unsupported_content")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, f"response_format type '{req.response_format.get('type')}' "
-                       "is not supported by this server yet.", param="response_format",
-                       code="unsupported_parameter")
-    if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
-        raise APIError(400, "tool_choice 'required' or a named function is not supported "
-                       "by this server yet; use 'auto' or 'none'.", param="tool_choice",
-                       code="unsupported_parameter")
     tok = info.tokenizer
     messages = [_message_dict(m) for m in req.messages]
     tools = req.tools if req.tools and req.tool_choice != "none" else None
@@ -95,6 +89,86 @@ def chat_prompt(info: ModelInfo, req: ChatCompletionRequest) -> list[int]:
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+@dataclass
+class OutputPlan:
+    """How a chat request's output is constrained and split (tools, reasoning, JSON)."""
+
+    grammar: Optional[str] = None
+    tool_format: Any = None  # a parsers.ToolFormat when tool calls are parsed
+    think: Optional[tuple[str, str]] = None
+    starts_in_reasoning: bool = False
+    forced_tool: bool = False  # tool_choice required/named: the output is one JSON call
+
+    def splitter(self, tools: Any):
+        from .parsers import OutputSplitter
+
+        if self.tool_format is None and self.think is None:
+            return None
+        return OutputSplitter(self.tool_format, tools, self.think, self.starts_in_reasoning)
+
+
+def output_plan(info: ModelInfo, req: ChatCompletionRequest, prompt: list[int]) -> OutputPlan:
+    """Grammar and parsers for a chat request; 400 for what cannot be honoured."""
+    from .grammar import GrammarError, check_grammar, json_schema_grammar, tool_call_schema
+    from .parsers import think_markers, tool_format
+
+    plan = OutputPlan()
+    tok = info.tokenizer
+    try:
+        plan.think = think_markers(info.defaults.reasoning_parser, tok)
+    except ValueError as e:
+        raise APIError(500, str(e), type="server_error", code="bad_parser") from None
+    if plan.think:
+        tail = tok.decode(prompt[-8:]).rstrip()
+        plan.starts_in_reasoning = tail.endswith(plan.think[0])
+    choice = req.tool_choice
+    schema = None
+    if req.tools and (choice == "required" or isinstance(choice, dict)):
+        name = None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") or choice.get("name")
+            if not isinstance(name, str):
+                raise APIError(400, "tool_choice must name a function: "
+                               '{"type": "function", "function": {"name": ...}}',
+                               param="tool_choice", code="invalid_value")
+        try:
+            schema = tool_call_schema(req.tools, name)
+        except (GrammarError, KeyError, TypeError) as e:
+            raise APIError(400, f"Invalid tools or tool_choice: {e}", param="tool_choice",
+                           code="invalid_value") from None
+        plan.forced_tool = True
+    elif req.tools and choice != "none":
+        try:
+            plan.tool_format = tool_format(info.defaults.tool_parser, tok)
+        except ValueError as e:
+            raise APIError(500, str(e), type="server_error", code="bad_parser") from None
+    elif choice in ("required",) or isinstance(choice, dict):
+        raise APIError(400, "tool_choice requires tools.", param="tool_choice",
+                       code="invalid_value")
+    rf = req.response_format or {}
+    kind = rf.get("type", "text")
+    if kind == "json_object":
+        schema = schema or {"type": "object"}
+    elif kind == "json_schema":
+        js = rf.get("json_schema") or {}
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be an object with a "
+                           "'schema'.", param="response_format", code="invalid_value")
+        schema = schema or js.get("schema") or {"type": "object"}
+    elif kind != "text":
+        raise APIError(400, f"Unknown response_format type '{kind}'; use text, json_object "
+                       "or json_schema.", param="response_format", code="invalid_value")
+    if schema is not None:
+        try:
+            plan.grammar = json_schema_grammar(schema)
+            check_grammar(plan.grammar, tok, info.vocab_size)
+        except (GrammarError, ValueError, TypeError) as e:
+            raise APIError(400, f"The JSON schema cannot be enforced: {e}",
+                           param="response_format" if not plan.forced_tool else "tools",
+                           code="invalid_schema") from None
+    return plan
 
 
 def completion_prompts(info: ModelInfo, req: CompletionRequest) -> list[list[int]]:
@@ -186,8 +260,11 @@ class ChoiceDecoder:
     def __init__(self, tokenizer: Any, stops: list[str]):
         self._tok = tokenizer
         self._detok = tokenizer.detokenizer
+        self._stops = stops
         self._sm = TextStateMachine({"normal": [(s, None) for s in stops]}) if stops else None
         self._state = self._sm.make_state() if self._sm else None
+        self._raw = ""
+        self.stop_sequence: Optional[str] = None  # which stop string ended the choice
         self.text = ""
         self.tokens = 0
         self.finish_reason: Optional[str] = None
@@ -221,11 +298,16 @@ class ChoiceDecoder:
     def _filter(self, segment: str) -> str:
         if self._sm is None or not segment:
             return segment
+        self._raw += segment
         self._state, segments = TextStateMachine.split(self._state, segment)
+        out = "".join(t for s, t in segments if s is not None)
         if self._state[0] is None:
             self.finish_reason = "stop"
             self._state = None
-        return "".join(t for s, t in segments if s is not None)
+            cut = len(self.text) + len(out)
+            found = [(self._raw.find(s, cut), s) for s in self._stops]
+            self.stop_sequence = min((f for f in found if f[0] >= 0), default=(0, None))[1]
+        return out
 
     def token_text(self, token: int) -> str:
         return self._tok.decode([token])

@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
     ignore_eos: bool = False
+    grammar: Optional[str] = None  # llguidance grammar the output must follow
 
     def sampler_key(self) -> tuple:
         return (self.temperature, self.top_p, self.min_p, self.top_k)
@@ -363,14 +364,14 @@ class Engine:
                         gen.cache_hit = kind or "miss"
             gen.cached_tokens = len(cached[0])
             samplers = [self._sampler(p, i) for i in range(gen.num_sequences)]
-            procs = self._logits_processors(p)
+            procs = [self._logits_processors(p) for _ in range(gen.num_sequences)]
             uids = self._bg.insert(
                 prompts,
                 max_tokens=[p.max_tokens] * gen.num_sequences,
                 caches=caches,
                 all_tokens=cached,
                 samplers=samplers,
-                logits_processors=[procs] * gen.num_sequences,
+                logits_processors=procs,
                 stop_sequences=[self._no_stop] * gen.num_sequences if p.ignore_eos else None,
             )
         except Exception as e:  # noqa: BLE001 - bad parameters must not kill the engine
@@ -400,16 +401,21 @@ class Engine:
             self._samplers[key] = s
         return s
 
-    @staticmethod
-    def _logits_processors(p: SamplingParams) -> list:
+    def _logits_processors(self, p: SamplingParams) -> list:
+        """One list per sequence: a grammar processor holds that sequence's parse state."""
         from mlx_lm.sample_utils import make_logits_processors
 
-        return make_logits_processors(
+        procs = make_logits_processors(
             logit_bias=p.logit_bias or None,
             repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
         )
+        if p.grammar:
+            from .grammar import GrammarProcessor
+
+            procs.append(GrammarProcessor(p.grammar, self.tokenizer, self.vocab_size))
+        return procs
 
     def _step(self) -> None:
         import mlx.core as mx
@@ -542,6 +548,14 @@ def _context_length(config: dict, tokenizer: Any) -> Optional[int]:
     return v if isinstance(v, int) and 0 < v < 10**8 else None
 
 
+def _grammar_stats() -> dict[str, Any]:
+    from .grammar import STATS
+
+    n = STATS["steps"]
+    return {"constrained_tokens": n,
+            "mask_ms_per_token": round(1000 * STATS["mask_seconds"] / n, 4) if n else None}
+
+
 def stats_dict(engine: Engine) -> dict[str, Any]:
     st = engine.stats
     return {
@@ -551,6 +565,7 @@ def stats_dict(engine: Engine) -> dict[str, Any]:
         "generation_tokens_total": st.generation_tokens_total,
         "cancelled_total": st.cancelled_total,
         "kv_reserved_bytes": getattr(engine, "_reserved", 0),
+        "grammar": _grammar_stats(),
         "prompt_cache": engine.prompt_cache.status() if engine.state == "ready" else None,
     }
 
