@@ -37,7 +37,9 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults={"whitespace_flexible": False})
+        # At most one space after separators: what models learned from json.dumps, and
+        # no room for a random-weight model to loop on whitespace forever.
+        json.dumps(schema), defaults={"whitespace_flexible": False, "whitespace_pattern": " ?"})
 
 
 def tool_call_schema(tools: list[dict[str, Any]], name: Optional[str] = None) -> dict[str, Any]:
