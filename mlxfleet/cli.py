@@ -26,6 +26,8 @@ def _add_worker(sub) -> None:
     p.add_argument("--bind", default="127.0.0.1:8001",
                    help="unix:PATH or HOST:PORT (default 127.0.0.1:8001)")
     p.add_argument("--revision", help="Hugging Face revision (branch, tag or commit)")
+    p.add_argument("--task", choices=["generate", "embedding"], default="generate",
+                   help="embedding: serve /v1/embeddings with an encoder model")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--max-concurrency", type=int, default=16,
                    help="sequences decoded together in one batch (default 16)")
@@ -104,6 +106,7 @@ def _run_worker(args) -> int:
                                reasoning_parser=args.reasoning_parser),
         max_queue=args.max_queue,
         drain_timeout=args.drain_timeout,
+        task=args.task,
     )
     return run_worker(opts)
 

@@ -113,6 +113,8 @@ class ParsersSpec(_Spec):
 
 class ModelSpec(_Spec):
     source: str = Field(min_length=1, description="HF repo id, local path, or builtin:NAME")
+    task: Literal["generate", "embedding"] = Field(
+        default="generate", description="embedding: serve /v1/embeddings (BERT-family)")
     revision: Optional[str] = None
     aliases: list[str] = Field(default_factory=list)
     keep_alive: Optional[Duration] = None

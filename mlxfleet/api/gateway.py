@@ -22,7 +22,7 @@ log = logging.getLogger("mlxfleet.gateway")
 
 #: Routes forwarded to the worker named by the body's ``model``.
 MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
-                "/v1/messages/count_tokens"]
+                "/v1/messages/count_tokens", "/v1/embeddings"]
 _FORWARD_HEADERS = ("content-type", "accept", "x-request-id")
 
 

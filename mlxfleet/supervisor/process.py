@@ -52,6 +52,8 @@ def worker_args(m: Manifest, bind: str) -> list[str]:
     for flag, v in opt.items():
         if v is not None:
             args += [flag, str(v)]
+    if s.task != "generate":
+        args += ["--task", s.task]
     if s.trust_remote_code:
         args.append("--trust-remote-code")
     return args

@@ -31,6 +31,7 @@ class WorkerOptions:
     defaults: ModelDefaults = field(default_factory=ModelDefaults)
     max_queue: int = 256
     drain_timeout: float = 30.0
+    task: str = "generate"  # or "embedding"
 
 
 def _hypercorn_bind(bind: str) -> str:
@@ -54,8 +55,15 @@ async def serve_worker(opts: WorkerOptions, stop: Optional[asyncio.Event] = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    engine = Engine(opts.source, opts.engine)
-    app = create_app(engine, opts.name, opts.defaults, WorkerLimits(max_queue=opts.max_queue))
+    if opts.task == "embedding":
+        from .embeddings import EmbeddingEngine, create_embedding_app
+
+        engine = EmbeddingEngine(opts.source, opts.engine.revision)
+        app = create_embedding_app(engine, opts.name)
+    else:
+        engine = Engine(opts.source, opts.engine)
+        app = create_app(engine, opts.name, opts.defaults,
+                         WorkerLimits(max_queue=opts.max_queue))
     config = Config()
     config.bind = [_hypercorn_bind(opts.bind)]
     config.graceful_timeout = opts.drain_timeout
