@@ -138,6 +138,20 @@ def _add_server_commands(sub) -> None:
     p.add_argument("--state-dir", help="where logs and state go")
     p.add_argument("--config", dest="config_file", help="YAML settings file")
     p.add_argument("--name", help="with SOURCE: the model's name")
+    p.add_argument("--api-key", help="require this key (comma-separate several)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow a non-loopback bind without an API key")
+    p.add_argument("--rate-limit", type=int, help="requests per minute per client")
+    p.add_argument("--timeout", type=float, help="request timeout in seconds (300)")
+    p.add_argument("--max-body-mb", type=int, help="largest request body (32)")
+    p.add_argument("--enable-metrics", action="store_true", default=None,
+                   help="serve Prometheus /metrics (unauthenticated)")
+    p.add_argument("--max-tokens", type=int, help="max_tokens cap for models setting none")
+    p.add_argument("--max-request-tokens", type=int, help="prompt cap for models setting none")
+    p.add_argument("--default-temperature", type=float)
+    p.add_argument("--default-top-p", type=float)
+    p.add_argument("--stream-interval", type=int, help="tokens per streamed chunk")
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
 
     g = sub.add_parser("get", help="list models: mlxfleet get models")
     g.add_argument("what", choices=["models", "model"])
@@ -193,13 +207,20 @@ def _run_serve(args) -> int:
     from .settings import load_settings
 
     try:
-        settings = load_settings(host=args.host, port=args.port,
-                                 manifests_dir=args.manifests_dir, state_dir=args.state_dir,
-                                 config_file=args.config_file)
+        settings = load_settings(
+            host=args.host, port=args.port, manifests_dir=args.manifests_dir,
+            state_dir=args.state_dir, config_file=args.config_file, api_key=args.api_key,
+            insecure=args.insecure, rate_limit=args.rate_limit, timeout=args.timeout,
+            max_body_mb=args.max_body_mb, enable_metrics=args.enable_metrics,
+            max_tokens=args.max_tokens, max_request_tokens=args.max_request_tokens,
+            default_temperature=args.default_temperature, default_top_p=args.default_top_p,
+            stream_interval=args.stream_interval, log_json=args.log_json)
     except (ValidationError, FileNotFoundError, ValueError) as e:
         print(f"error: invalid settings: {e}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
+    if settings.log_json:
+        _json_logs()
     if args.source:
         if args.manifests_dir:
             print("error: give either SOURCE or --manifests, not both", file=sys.stderr)
@@ -216,6 +237,18 @@ def _run_serve(args) -> int:
     return 0
 
 
+def _json_logs() -> None:
+    """One JSON object per log line (for log shippers)."""
+
+    class JsonFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return json.dumps({"time": self.formatTime(record), "level": record.levelname,
+                               "logger": record.name, "message": record.getMessage()})
+
+    for h in logging.getLogger().handlers:
+        h.setFormatter(JsonFormatter())
+
+
 def _server_url(args) -> str:
     return (args.server or os.environ.get("MLXFLEET_SERVER")
             or f"http://127.0.0.1:{os.environ.get('MLXFLEET_PORT', '8000')}").rstrip("/")
@@ -227,6 +260,9 @@ def _api(args, method: str, path: str, **kw):
     url = _server_url(args)
     try:
         kw.setdefault("timeout", 30)
+        key = os.environ.get("MLXFLEET_API_KEY", "").split(",")[0].strip()
+        if key:
+            kw.setdefault("headers", {})["Authorization"] = f"Bearer {key}"
         r = httpx.request(method, url + "/mlxfleet/v1" + path, **kw)
     except httpx.ConnectError:
         raise SystemExit(f"error: no mlxfleet server at {url} (start one with "
@@ -338,7 +374,9 @@ def _run_logs(args) -> int:
     _api(args, "GET", f"/models/{args.name}")  # a clear error for an unknown name
     url = _server_url(args) + f"/mlxfleet/v1/models/{args.name}/logs"
     try:
-        with httpx.stream("GET", url, params=params, timeout=None) as r:
+        key = os.environ.get("MLXFLEET_API_KEY", "").split(",")[0].strip()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.stream("GET", url, params=params, timeout=None, headers=headers) as r:
             for chunk in r.iter_text():
                 sys.stdout.write(chunk)
                 sys.stdout.flush()

@@ -16,8 +16,13 @@ async def serve(settings: ServerSettings) -> None:
     from hypercorn.config import Config
 
     from .api.gateway import create_gateway
+    from .api.guard import is_loopback
     from .supervisor.supervisor import Supervisor
 
+    if not is_loopback(settings.host) and not settings.api_keys and not settings.insecure:
+        raise SystemExit(f"error: refusing to serve on {settings.host} (not loopback) without "
+                         "an API key: anyone who can reach the port would get a free LLM. "
+                         "Set --api-key (or MLXFLEET_API_KEY), or pass --insecure.")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

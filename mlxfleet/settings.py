@@ -41,6 +41,9 @@ class ServerSettings(BaseSettings):
     reload_debounce_ms: int = Field(300, ge=0)
     request_wait_timeout: float = Field(
         300.0, gt=0, description="seconds a request waits for its model to become ready")
+    busy_wait_timeout: float = Field(
+        60.0, ge=0, description="seconds a load waits for busy models to go idle when only "
+        "they could make room")
     keep_alive: str = Field("5m", description="idle time before a model unloads, when its "
                             "manifest sets none: 30s, 5m, 1h, 0, -1/forever")
     memory_budget: str = Field("70%", description="memory all loaded models may use: bytes "
@@ -50,6 +53,20 @@ class ServerSettings(BaseSettings):
                                     "weights and KV cache, until measured")
     default_cache_mb: int = Field(1024, gt=0, description="KV budget of a model whose "
                                   "manifest sets none")
+    api_key: Optional[str] = Field(None, description="required API key(s), comma-separated")
+    insecure: bool = Field(False, description="allow a non-loopback bind without an API key")
+    rate_limit: int = Field(0, ge=0, description="requests per minute per client; 0 = off")
+    timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
+                           "spec.limits.timeout)")
+    max_body_mb: int = Field(32, gt=0, description="largest request body")
+    enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")
+    log_json: bool = Field(False, description="JSON log lines")
+    max_tokens: Optional[int] = Field(None, ge=1, description="default max_tokens cap for "
+                                      "models whose manifest sets none")
+    max_request_tokens: Optional[int] = Field(None, ge=1)
+    default_temperature: Optional[float] = Field(None, ge=0, le=2)
+    default_top_p: Optional[float] = Field(None, gt=0, le=1)
+    stream_interval: Optional[int] = Field(None, ge=1)
     log_max_bytes: int = Field(10 << 20, gt=0)
     log_backups: int = Field(3, ge=0)
 
@@ -70,6 +87,10 @@ class ServerSettings(BaseSettings):
 
         parse_memory(v, 1 << 30)
         return v
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @property
     def keep_alive_seconds(self) -> float:

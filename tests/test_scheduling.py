@@ -212,7 +212,7 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
     # 1.2 GB holds two of them, not three.
     f = Fleet(tmp_path, env={"MLXFLEET_MEMORY_BUDGET": "1200MB",
                              "MLXFLEET_WORKER_OVERHEAD_MB": "300",
-                             "MLXFLEET_REQUEST_WAIT_TIMEOUT": "6"})
+                             "MLXFLEET_BUSY_WAIT_TIMEOUT": "3"})
     spec = dict(preload=False, cache={"memoryMB": 200}, keepAlive="forever")
     f.write("a.yaml", manifest("a", **spec))
     f.write("b.yaml", manifest("b", source="builtin:tiny-10m", **spec))

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import httpx
-from quart import Quart, Response, request
+from quart import Quart, Response, g, request
 
 from .http import install_error_handlers, sse, streaming_response
 from .protocol import APIError, parse_json_body
@@ -29,11 +29,23 @@ _FORWARD_HEADERS = ("content-type", "accept", "x-request-id")
 def create_gateway(supervisor: Any) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
+    from .guard import install_guard
+    from .metrics import Metrics
 
+    settings = supervisor.settings
     app = Quart("mlxfleet.gateway")
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=32 << 20)
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60,
+                      MAX_CONTENT_LENGTH=settings.max_body_mb << 20)
     install_error_handlers(app)
+    install_guard(app, settings.api_keys, settings.rate_limit)
+    metrics = Metrics(supervisor)
+    metrics.install(app, enabled=settings.enable_metrics)
     started = time.time()
+
+    @app.get("/v1/status")
+    async def status():
+        """Every model's engine status (the fields vllm-mlx documents), in one answer."""
+        return await metrics.status()
 
     @app.get("/health")
     async def health():
@@ -66,27 +78,39 @@ def create_gateway(supervisor: Any) -> Quart:
         if "keep_alive" in body:
             rt.keep_alive_override = _keep_alive(body["keep_alive"])
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers["X-Request-Id"] = g.request_id
+        g.model = rt.name
+        timeout = rt.manifest.spec.limits.timeout or settings.timeout
+        deadline = time.monotonic() + timeout
         target = (request.method, request.path, raw, headers)
         if not rt.ready and body.get("stream") is True:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             _check_queue(rt)
-            return streaming_response(_stream_after_load(supervisor, rt, target))
-        await _until_ready(supervisor, rt)
+            return streaming_response(metrics.observe_stream(
+                _stream_after_load(supervisor, rt, target, deadline), rt.name))
+        try:
+            await asyncio.wait_for(_until_ready(supervisor, rt), _left(deadline))
+        except asyncio.TimeoutError:
+            raise _timeout_error(rt, timeout) from None
         upstream, worker = await _send(supervisor, rt, target)
         ctype = upstream.headers.get("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
-                content = await upstream.aread()
+                content = await asyncio.wait_for(upstream.aread(), _left(deadline))
+            except asyncio.TimeoutError:
+                raise _timeout_error(rt, timeout) from None
             except httpx.TransportError as e:
                 raise APIError(502, f"The worker for model '{rt.name}' failed mid-request: "
                                f"{e}", type="server_error", code="worker_failed") from None
             finally:
-                await upstream.aclose()
+                await upstream.aclose()  # on timeout this aborts the generation in the worker
                 rt.end(worker)
+            metrics.usage(rt.name, content)
             return Response(content, status=upstream.status_code, content_type=ctype)
-        return streaming_response(_relay(rt, upstream, worker), status=upstream.status_code,
-                                  content_type=ctype)
+        return streaming_response(
+            metrics.observe_stream(_relay(rt, upstream, worker, deadline), rt.name),
+            status=upstream.status_code, content_type=ctype)
 
     for route in MODEL_ROUTES:
         app.add_url_rule(route, endpoint=route, view_func=forward, methods=["POST"])
@@ -178,10 +202,29 @@ async def _send(supervisor: Any, rt: Any, target: tuple):
     raise AssertionError("unreachable")
 
 
-async def _relay(rt: Any, upstream: httpx.Response, worker: Any):
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _timeout_error(rt: Any, timeout: float = 0) -> APIError:
+    after = f" after {timeout:g}s" if timeout else ""
+    return APIError(504, f"The request to model '{rt.name}' timed out{after}.",
+                    type="timeout", code="timeout")
+
+
+async def _relay(rt: Any, upstream: httpx.Response, worker: Any, deadline: float):
+    chunks = upstream.aiter_raw()
     try:
-        async for chunk in upstream.aiter_raw():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), _left(deadline))
+            except StopAsyncIteration:
+                break
             yield chunk
+    except asyncio.TimeoutError:
+        err = _timeout_error(rt)
+        log.warning("%s: %s", rt.name, err.message)
+        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
     except httpx.TransportError as e:
         log.warning("%s: stream broke: %s", rt.name, e)
         err = APIError(502, f"The worker for model '{rt.name}' failed mid-stream.",
@@ -192,7 +235,7 @@ async def _relay(rt: Any, upstream: httpx.Response, worker: Any):
         rt.end(worker)
 
 
-async def _stream_after_load(supervisor: Any, rt: Any, target: tuple):
+async def _stream_after_load(supervisor: Any, rt: Any, target: tuple, deadline: float):
     load = asyncio.ensure_future(_until_ready(supervisor, rt))
     try:
         while True:
@@ -214,5 +257,5 @@ async def _stream_after_load(supervisor: Any, rt: Any, target: tuple):
         rt.end(worker)
         yield b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n"
         return
-    async for chunk in _relay(rt, upstream, worker):
+    async for chunk in _relay(rt, upstream, worker, deadline):
         yield chunk

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
@@ -27,9 +27,14 @@ log = logging.getLogger("mlxfleet.supervisor")
 PARENT_FD_ENV = "MLXFLEET_PARENT_FD"
 
 
-def worker_args(m: Manifest, bind: str) -> list[str]:
-    """The ``mlxfleet worker`` command line for a manifest."""
+def worker_args(m: Manifest, bind: str, server: Any = None) -> list[str]:
+    """The ``mlxfleet worker`` command line for a manifest; ``server`` settings fill the
+    defaults the manifest leaves unset."""
     s = m.spec
+
+    def pick(own, name):
+        return own if own is not None else getattr(server, name, None)
+
     args = ["worker", "--source", s.source, "--name", m.name, "--bind", bind,
             "--max-concurrency", str(s.batching.max_concurrency),
             "--max-queue", str(s.batching.max_queue),
@@ -37,13 +42,13 @@ def worker_args(m: Manifest, bind: str) -> list[str]:
             "--prefill-step-size", str(s.batching.prefill_step_size)]
     opt = {
         "--revision": s.revision,
-        "--max-tokens-limit": s.limits.max_tokens,
-        "--max-request-tokens": s.limits.max_request_tokens,
+        "--max-tokens-limit": pick(s.limits.max_tokens, "max_tokens"),
+        "--max-request-tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
         "--max-tokens": s.defaults.max_tokens,
-        "--temperature": s.defaults.temperature,
-        "--top-p": s.defaults.top_p,
+        "--temperature": pick(s.defaults.temperature, "default_temperature"),
+        "--top-p": pick(s.defaults.top_p, "default_top_p"),
         "--top-k": s.defaults.top_k,
-        "--stream-interval": s.defaults.stream_interval,
+        "--stream-interval": pick(s.defaults.stream_interval, "stream_interval"),
         "--cache-mb": s.cache.memory_mb,
         "--tool-call-parser": s.parsers.tool_call,
         "--reasoning-parser": s.parsers.reasoning,
@@ -63,8 +68,9 @@ class WorkerProcess:
     """A spawned ``mlxfleet worker`` for one generation of one model's spec."""
 
     def __init__(self, manifest: Manifest, socket_path: Path, log_path: Path,
-                 log_max_bytes: int, log_backups: int):
+                 log_max_bytes: int, log_backups: int, settings: Any = None):
         self.manifest = manifest
+        self.settings = settings
         self.hash = manifest.worker_hash()
         self.socket_path = socket_path
         self.log_path = log_path
@@ -106,7 +112,7 @@ class WorkerProcess:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "mlxfleet",
-                *worker_args(self.manifest, f"unix:{self.socket_path}"),
+                *worker_args(self.manifest, f"unix:{self.socket_path}", self.settings),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(r,),
                 start_new_session=True)  # our signals are ours to forward, not the tty's

@@ -64,6 +64,7 @@ class ModelRuntime:
         self.weight_bytes: Optional[int] = None
         self.measured_bytes: Optional[int] = None
         self.waiters = 0  # requests waiting for a load
+        self.loads = self.unloads = self.evictions = 0  # counters for /metrics
         self._ready = asyncio.Event()
         self._failed = asyncio.Event()
         self._unloaded = asyncio.Event()
@@ -294,7 +295,7 @@ class ModelRuntime:
         sock = self.sup.runtime_dir / f"{self.name}.{self._seq}.sock"
         s = self.settings
         return WorkerProcess(self.manifest, sock, self.log_path, s.log_max_bytes,
-                             s.log_backups)
+                             s.log_backups, s)
 
     async def _run(self) -> None:
         try:
@@ -324,6 +325,7 @@ class ModelRuntime:
             await asyncio.gather(*(w.stop(self.settings.drain_timeout,
                                           self.settings.stop_timeout) for w in workers))
             self.event("Normal", "Unloaded", "worker stopped; memory released")
+            self.unloads += 1
             self.sup.notify_idle()
         self.phase = "Unloaded" if not self.failed_at or self.manifest.spec.preload \
             else "Failed"
@@ -403,6 +405,7 @@ class ModelRuntime:
         old, self.current = self.current, w
         self.observed_generation = self.generation
         self.phase = "Ready"
+        self.loads += 1
         self.failed_at = None
         self._ready.set()
         self._set_condition("Ready", True, "WorkerReady", f"worker pid {w.pid} is serving")

@@ -180,7 +180,7 @@ class Supervisor:
         if wait > 0:
             raise LoadRefused(f"Model '{rt.name}' failed to load: {rt.last_error}. "
                               f"Retrying in {wait:.0f}s.", retry_after=wait)
-        deadline = asyncio.get_running_loop().time() + self.settings.request_wait_timeout
+        deadline = asyncio.get_running_loop().time() + self.settings.busy_wait_timeout
         async with self._sched_lock:
             while not rt.want_loaded and not rt.removed:
                 others = [m.candidate() for m in self.models.values() if m is not rt]
@@ -189,6 +189,7 @@ class Supervisor:
                 if p.ok:
                     victims = [self.models[n] for n in p.evict]
                     for v in victims:
+                        v.evictions += 1
                         v.unload(f"evicted to make room for '{rt.name}' "
                                  f"({fmt_bytes(rt.footprint())})")
                     await asyncio.gather(*(v.wait_unloaded() for v in victims))

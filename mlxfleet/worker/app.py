@@ -171,7 +171,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
     defaults = defaults or ModelDefaults()
     limits = limits or WorkerLimits()
     started = time.time()
-    state = {"inflight": 0, "info": None}
+    state: dict[str, Any] = {"inflight": 0, "info": None, "calls": {}}
 
     def model_info() -> ModelInfo:
         if engine.state == "ready":
@@ -209,7 +209,8 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                 "uptime_s": round(time.time() - started, 3),
                 "load_seconds": engine.load_seconds, "context_length": engine.context_length,
                 "blas": blas.active,
-                "inflight_requests": state["inflight"], **stats_dict(engine)}
+                "inflight_requests": state["inflight"], **stats_dict(engine),
+                "requests": [_request_status(rid, c) for rid, c in state["calls"].items()]}
 
     async def start(cls: type[SamplingFields], body: Optional[dict] = None):
         """Validate, tokenize and submit; returns (request, Call)."""
@@ -241,7 +242,20 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                            headers={"Retry-After": "1"})
         gen = engine.submit(prompts, params, req.n)
         call = Call(engine, gen, info, req.stop_list, sum(len(p) for p in prompts), plan, tools)
+        call.request_id = request.headers.get("X-Request-Id") or new_id("req")
+        state["calls"][call.request_id] = call
         return req, call
+
+    def finished(call: Call) -> None:
+        if state["calls"].pop(call.request_id, None) is None:
+            return
+        g = call.gen
+        ttft = (g.first_token_at - g.submitted_at) if g.first_token_at else None
+        log.info("request %s: %d prompt (%d cached) + %d completion tokens in %.2fs, "
+                 "ttft %s, %s", call.request_id, call.prompt_tokens, g.cached_tokens,
+                 call.completion_tokens, time.monotonic() - g.submitted_at,
+                 f"{ttft:.3f}s" if ttft is not None else "-",
+                 ",".join(str(d.finish_reason) for d in call.decoders))
 
     async def run_to_end(call: Call) -> None:
         state["inflight"] += 1
@@ -252,6 +266,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         finally:
             state["inflight"] -= 1
             call.close()
+            finished(call)
 
     async def tracked(call: Call, body: AsyncIterator[str], on_error=None
                       ) -> AsyncIterator[str]:
@@ -265,6 +280,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         finally:
             state["inflight"] -= 1
             call.close()
+            finished(call)
 
     app.extensions["mlxfleet"] = {"start": start, "run_to_end": run_to_end,
                                   "tracked": tracked, "name": name, "model_info": model_info}
@@ -399,6 +415,22 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
 
     register_anthropic(app)
     return app
+
+
+def _request_status(rid: str, call: Call) -> dict[str, Any]:
+    """One in-flight request, in vllm-mlx's /v1/status terms."""
+    g = call.gen
+    now_ = time.monotonic()
+    ttft = (g.first_token_at - g.submitted_at) if g.first_token_at else None
+    gen_time = (now_ - g.first_token_at) if g.first_token_at else 0.0
+    max_tokens = g.params.max_tokens * g.num_sequences
+    return {"request_id": rid, "phase": g.phase,
+            "tokens_per_second": round(g.generated / gen_time, 2) if gen_time > 0 else None,
+            "ttft_s": round(ttft, 4) if ttft is not None else None,
+            "progress": round(g.generated / max_tokens, 4) if max_tokens else None,
+            "cache_hit_type": g.cache_hit, "cached_tokens": g.cached_tokens,
+            "prompt_tokens": call.prompt_tokens, "generated_tokens": g.generated,
+            "max_tokens": max_tokens, "elapsed_s": round(now_ - g.submitted_at, 3)}
 
 
 class _Pacer:

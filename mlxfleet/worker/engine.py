@@ -77,6 +77,11 @@ class Generation:
         self.cancelled = False
         self.cached_tokens = 0  # prompt tokens served from the prompt cache
         self.cache_hit: Optional[str] = None
+        # Written by the engine thread, read by /v1/status: queued -> prefill -> generation.
+        self.phase = "queued"
+        self.started_at: Optional[float] = None
+        self.first_token_at: Optional[float] = None
+        self.generated = 0
 
     @property
     def num_sequences(self) -> int:
@@ -379,6 +384,7 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
+        gen.phase, gen.started_at = "prefill", time.monotonic()
         need = self._need(gen)
         for i, uid in enumerate(uids):
             self._seqs[uid] = _Seq(gen, i, need)
@@ -439,6 +445,10 @@ class Engine:
                     ev.top_logprobs = sorted(zip(top.tolist(), vals.tolist()),
                                              key=lambda t: -t[1])
             out.append((seq.gen, ev))
+            gen = seq.gen
+            gen.generated += 1
+            if gen.first_token_at is None:
+                gen.phase, gen.first_token_at = "generation", time.monotonic()
             if r.finish_reason is not None:
                 del self._seqs[r.uid]
                 self._reserved -= seq.reserved

@@ -1,0 +1,98 @@
+"""API keys, per-client rate limits and request ids for the gateway."""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections import deque
+from typing import Optional
+
+from quart import Quart, g, request
+
+from .protocol import APIError
+
+#: Routes anyone may call: liveness for load balancers; /metrics is opt-in and documented
+#: as unauthenticated (keep it behind a firewall or proxy).
+OPEN_ROUTES = ("/health", "/metrics")
+
+
+def presented_key() -> Optional[str]:
+    """The key from ``Authorization: Bearer`` or Anthropic's ``x-api-key``."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def key_ok(given: Optional[str], keys: list[str]) -> bool:
+    if given is None:
+        return False
+    ok = False
+    for k in keys:  # compare with every key, in constant time, so timing reveals nothing
+        ok |= hmac.compare_digest(given.encode(), k.encode())
+    return ok
+
+
+class RateLimiter:
+    """A sliding one-minute window per client."""
+
+    def __init__(self, per_minute: int):
+        self.per_minute = per_minute
+        self._hits: dict[str, deque] = {}
+
+    def check(self, client: str) -> Optional[int]:
+        """None if allowed, else seconds until the client may retry."""
+        now = time.monotonic()
+        q = self._hits.setdefault(client, deque())
+        while q and now - q[0] >= 60:
+            q.popleft()
+        if len(q) >= self.per_minute:
+            return max(1, int(60 - (now - q[0])) + 1)
+        q.append(now)
+        if len(self._hits) > 10_000:  # forget idle clients
+            for c in [c for c, d in self._hits.items() if not d]:
+                del self._hits[c]
+        return None
+
+
+def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
+    limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
+
+    @app.before_request
+    async def _guard():
+        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        g.started = time.perf_counter()
+        path = request.path
+        if path in OPEN_ROUTES:
+            return None
+        key = presented_key()
+        if api_keys and not key_ok(key, api_keys):
+            raise APIError(401, "Invalid or missing API key. Send it as 'Authorization: "
+                           "Bearer KEY' or 'x-api-key: KEY'.", type="authentication_error",
+                           code="invalid_api_key",
+                           headers={"WWW-Authenticate": 'Bearer realm="mlxfleet"'})
+        if limiter and path.startswith("/v1/"):
+            client = f"key:{key}" if key and api_keys else f"addr:{request.remote_addr}"
+            wait = limiter.check(client)
+            if wait is not None:
+                raise APIError(429, f"Rate limit of {limiter.per_minute} requests per minute "
+                               "exceeded; retry later.", type="rate_limit_error",
+                               code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+        return None
+
+    @app.after_request
+    async def _request_id(response):
+        response.headers["X-Request-Id"] = getattr(g, "request_id", "")
+        return response
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,195 @@
+"""Prometheus metrics and the aggregated ``/v1/status`` for the gateway.
+
+Gateway metrics are recorded as requests pass; model and engine metrics are
+read at scrape time from the supervisor and from every loaded worker's
+``/v1/status`` (a custom collector), so a worker restart simply resets its
+counters, which Prometheus handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Quart, Response, g, request
+
+from .guard import OPEN_ROUTES
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, supervisor: Any):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.sup = supervisor
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxfleet_requests_total", "Requests answered by the gateway",
+                                ["model", "route", "status"], registry=r)
+        self.latency = Histogram("mlxfleet_request_duration_seconds",
+                                 "Time to the response headers", ["model", "route"],
+                                 buckets=_BUCKETS, registry=r)
+        self.ttft = Histogram("mlxfleet_time_to_first_token_seconds",
+                              "Streaming: time to the first chunk", ["model"],
+                              buckets=_BUCKETS, registry=r)
+        self.stream_seconds = Histogram("mlxfleet_stream_duration_seconds",
+                                        "Streaming: time to the last chunk", ["model"],
+                                        buckets=_BUCKETS, registry=r)
+        self.inflight = Gauge("mlxfleet_inflight_requests", "Requests being served",
+                              registry=r)
+        self._workers: dict[str, dict] = {}
+        r.register(_ModelCollector(self))
+
+    def install(self, app: Quart, enabled: bool) -> None:
+        @app.before_request
+        async def _start():
+            if request.path not in OPEN_ROUTES:
+                self.inflight.inc()
+                g.counted = True
+
+        @app.after_request
+        async def _done(response: Response):
+            if getattr(g, "counted", False):
+                self.inflight.dec()
+                model = getattr(g, "model", "") or ""
+                self.requests.labels(model, request.path, str(response.status_code)).inc()
+                started = getattr(g, "started", None)
+                if started is not None:
+                    self.latency.labels(model, request.path).observe(
+                        time.perf_counter() - started)
+            return response
+
+        if enabled:
+            @app.get("/metrics")
+            async def metrics():
+                from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+                await self.refresh()
+                return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+
+    def observe_stream(self, body: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
+        """Wrap a streamed body to time its first and last chunks. Call it in the handler:
+        the body itself runs outside the request context."""
+        t0 = getattr(g, "started", time.perf_counter())
+
+        async def timed():
+            first = True
+            try:
+                async for chunk in body:
+                    if first:
+                        self.ttft.labels(model).observe(time.perf_counter() - t0)
+                        first = False
+                    yield chunk
+            finally:
+                self.stream_seconds.labels(model).observe(time.perf_counter() - t0)
+
+        return timed()
+
+    def usage(self, model: str, content: bytes) -> None:
+        """Hook for non-streaming bodies (token totals come from the workers' counters)."""
+
+    async def _worker_status(self, name: str) -> tuple[str, dict | None]:
+        rt = self.sup.models.get(name)
+        if rt is None or not rt.ready:
+            return name, None
+        try:
+            r = await rt.current.client.get("/v1/status", timeout=2.0)
+            return name, r.json()
+        except Exception:  # noqa: BLE001 - a worker mid-restart just has no status now
+            return name, None
+
+    async def refresh(self) -> dict[str, dict]:
+        results = await asyncio.gather(*(self._worker_status(n) for n in self.sup.names()))
+        self._workers = {n: s for n, s in results if s is not None}
+        return self._workers
+
+    async def status(self) -> dict[str, Any]:
+        workers = await self.refresh()
+        models = {}
+        for n in self.sup.names():
+            rt = self.sup.models[n]
+            entry = {"phase": rt.phase, "ready": rt.ready, "inflight": rt.inflight,
+                     "waiting_for_load": rt.waiters}
+            if n in workers:
+                entry.update(workers[n])
+            models[n] = entry
+        return {"status": "ok", "models": models, "memory": self.sup.memory_status()}
+
+
+class _ModelCollector:
+    """Model state from the supervisor, engine counters from the workers."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sup = self.m.sup
+        state = GaugeMetricFamily("mlxfleet_model_state", "1 for the model's current phase",
+                                  labels=["model", "phase"])
+        loaded = GaugeMetricFamily("mlxfleet_model_loaded", "1 if loaded", labels=["model"])
+        mem = GaugeMetricFamily("mlxfleet_model_memory_bytes", "Worker resident memory",
+                                labels=["model"])
+        queue = GaugeMetricFamily("mlxfleet_model_queue_depth",
+                                  "Requests waiting (for a load or a batch slot)",
+                                  labels=["model"])
+        inflight = GaugeMetricFamily("mlxfleet_model_inflight_requests",
+                                     "Requests running on the model", labels=["model"])
+        events = {k: CounterMetricFamily(f"mlxfleet_model_{k}", f"Model {k}", labels=["model"])
+                  for k in ("loads", "unloads", "evictions", "restarts")}
+        for n in sup.names():
+            rt = sup.models[n]
+            state.add_metric([n, rt.phase], 1)
+            loaded.add_metric([n], 1 if rt.ready else 0)
+            mem.add_metric([n], rt.measured_bytes or 0)
+            inflight.add_metric([n], rt.inflight)
+            w = self.m._workers.get(n) or {}
+            queue.add_metric([n], rt.waiters + (w.get("num_waiting") or 0))
+            for k, fam in events.items():
+                fam.add_metric([n], getattr(rt, k, 0))
+        yield from (state, loaded, mem, queue, inflight, *events.values())
+        yield from self._engine()
+
+    def _engine(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        g_running = GaugeMetricFamily("mlxfleet_engine_batch_size", "Sequences in the batch",
+                                      labels=["model"])
+        g_waiting = GaugeMetricFamily("mlxfleet_engine_waiting", "Sequences not yet started",
+                                      labels=["model"])
+        c = {k: CounterMetricFamily(f"mlxfleet_engine_{k}", k.replace("_", " "),
+                                    labels=["model"])
+             for k in ("steps", "prompt_tokens", "completion_tokens", "requests")}
+        cache_entries = GaugeMetricFamily("mlxfleet_prompt_cache_entries", "Retained caches",
+                                          labels=["model"])
+        cache_bytes = GaugeMetricFamily("mlxfleet_prompt_cache_bytes", "Retained cache bytes",
+                                        labels=["model"])
+        hits = CounterMetricFamily("mlxfleet_prompt_cache_hits", "Prompt cache hits",
+                                   labels=["model", "kind"])
+        misses = CounterMetricFamily("mlxfleet_prompt_cache_misses", "Prompt cache misses",
+                                     labels=["model"])
+        evict = CounterMetricFamily("mlxfleet_prompt_cache_evictions", "Evicted cache entries",
+                                    labels=["model"])
+        for n, s in self.m._workers.items():
+            if "steps_executed" not in s:
+                continue
+            g_running.add_metric([n], s["num_running"])
+            g_waiting.add_metric([n], s["num_waiting"])
+            c["steps"].add_metric([n], s["steps_executed"])
+            c["prompt_tokens"].add_metric([n], s["prompt_tokens_total"])
+            c["completion_tokens"].add_metric([n], s["generation_tokens_total"])
+            c["requests"].add_metric([n], s["requests_total"])
+            pc = s.get("prompt_cache") or {}
+            if pc:
+                cache_entries.add_metric([n], pc["entries"])
+                cache_bytes.add_metric([n], pc["bytes"])
+                for kind, v in pc["hits"].items():
+                    hits.add_metric([n, kind], v)
+                misses.add_metric([n], pc["misses"])
+                evict.add_metric([n], pc["evictions"])
+        yield from (g_running, g_waiting, *c.values(), cache_entries, cache_bytes, hits, misses,
+                    evict)
