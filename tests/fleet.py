@@ -81,12 +81,18 @@ class Fleet:
         return subprocess.run([sys.executable, "-m", "mlxfleet", *args], capture_output=True,
                               text=True, env=self.env, timeout=60, input=input)
 
+    @property
+    def headers(self) -> dict:
+        key = self.env.get("MLXFLEET_API_KEY", "").split(",")[0].strip()
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def models(self) -> dict:
-        r = httpx.get(self.url + "/mlxfleet/v1/models", timeout=10).json()
+        r = httpx.get(self.url + "/mlxfleet/v1/models", timeout=10, headers=self.headers).json()
         return {m["name"]: m for m in r["items"]} | {"_errors": r["manifestErrors"]}
 
     def status(self, name: str) -> Optional[dict]:
-        r = httpx.get(f"{self.url}/mlxfleet/v1/models/{name}", timeout=10)
+        r = httpx.get(f"{self.url}/mlxfleet/v1/models/{name}", timeout=10,
+                      headers=self.headers)
         return r.json() if r.status_code == 200 else None
 
     def wait_ready(self, name: str, timeout: float = 60, pid_not: Optional[int] = None

@@ -1,0 +1,191 @@
+"""API keys, bind safety, rate and body limits, timeouts, metrics, /v1/status, request ids."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import free_port
+from fleet import Fleet, manifest, wait_for
+
+from mlxfleet.api.guard import is_loopback
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT = {"model": "tiny", "messages": MSG, "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("sec"), env={"MLXFLEET_API_KEY": "k1, k2",
+                                                   "MLXFLEET_ENABLE_METRICS": "1",
+                                                   "MLXFLEET_MAX_BODY_MB": "1"})
+    f.write("tiny.yaml", manifest("tiny"))
+    f.write("slow.yaml", manifest("slow", source="builtin:tiny-10m",
+                                  limits={"timeout": "2s"}))
+    f.start()
+    f.wait_ready("tiny")
+    yield f
+    f.stop()
+
+
+def auth(key: str = "k1") -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+ROUTES = [
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+    ("POST", "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": MSG}),
+    ("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": MSG}),
+    ("POST", "/v1/embeddings", {"model": "tiny", "input": "x"}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/status", None),
+    ("GET", "/mlxfleet/v1/models", None),
+    ("GET", "/mlxfleet/v1/models/tiny", None),
+    ("GET", "/mlxfleet/v1/models/tiny/logs", None),
+    ("POST", "/mlxfleet/v1/models/tiny/load", None),
+]
+
+
+@pytest.mark.parametrize("method,path,body", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_every_route_requires_a_key(secured, method, path, body):
+    url = secured.url + path
+    for headers in ({}, auth("wrong"), {"x-api-key": "nope"}):
+        r = httpx.request(method, url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        if path.startswith("/v1/messages"):
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert r.json()["type"] == "error"
+        else:
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    for headers in (auth("k1"), {"x-api-key": "k2"}):
+        r = httpx.request(method, url, json=body, headers=headers, timeout=60)
+        assert r.status_code != 401, r.text
+
+
+def test_health_stays_open_and_cli_uses_the_key(secured):
+    assert httpx.get(secured.url + "/health").status_code == 200
+    ok = secured.cli("get", "models")
+    assert ok.returncode == 0 and "tiny" in ok.stdout
+    env_less = subprocess.run([sys.executable, "-m", "mlxfleet", "get", "models", "--server",
+                               secured.url], capture_output=True, text=True, timeout=60)
+    assert env_less.returncode != 0 and "API key" in env_less.stderr
+
+
+def test_body_size_limit_is_a_413(secured):
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(secured.url + "/v1/chat/completions", json=big, headers=auth(), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_timed_out_stream_ends_cleanly_and_frees_the_slot(secured):
+    h = auth()
+    assert wait_for(lambda: httpx.post(secured.url + "/mlxfleet/v1/models/slow/load",
+                                       headers=h, timeout=120).status_code == 200, 120)
+    t0 = time.monotonic()
+    with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=h, timeout=60,
+                      json={"model": "slow", "messages": MSG, "max_tokens": 1900,
+                            "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert time.monotonic() - t0 < 15
+    assert lines[-1] == "data: [DONE]" and '"code":"timeout"' in lines[-2].replace(" ", "")
+
+    def idle():
+        s = httpx.get(secured.url + "/v1/status", headers=h).json()["models"]["slow"]
+        return s.get("num_running") == 0 and not s.get("requests")
+
+    assert wait_for(idle, 10)
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=h, timeout=60,
+                   json={"model": "slow", "messages": MSG, "max_tokens": 1900})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+
+
+def test_status_shows_a_running_request_in_its_phase(secured):
+    h = {**auth(), "X-Request-Id": "trace-me-42"}
+    httpx.post(secured.url + "/mlxfleet/v1/models/slow/load", headers=h, timeout=120)
+    seen = {}
+
+    def stream():
+        with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=h, timeout=60,
+                          json={"model": "slow", "messages": MSG, "max_tokens": 1900,
+                                "stream": True}) as r:
+            seen["id"] = r.headers.get("X-Request-Id")
+            for _ in r.iter_lines():
+                pass
+
+    t = threading.Thread(target=stream)
+    t.start()
+
+    def running():
+        reqs = httpx.get(secured.url + "/v1/status", headers=auth()).json()["models"]["slow"]
+        reqs = reqs.get("requests") or []
+        return next((q for q in reqs if q["phase"] == "generation"), None)
+
+    q = wait_for(running, 10, 0.05)
+    t.join(60)
+    assert q and q["request_id"] == "trace-me-42" and q["generated_tokens"] > 0
+    assert q["max_tokens"] == 1900 and 0 < q["progress"] < 1 and q["ttft_s"] > 0
+    assert seen["id"] == "trace-me-42"
+    logs = secured.cli("logs", "slow", "--tail", "200").stdout
+    assert "request trace-me-42:" in logs
+
+
+def test_metrics_parse_and_move(secured):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(secured.url + "/metrics").text  # opt-in, unauthenticated
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def value(m, name, **labels):
+        return sum(v for (n, lb), v in m.items()
+                   if n == name and all(dict(lb).get(k) == x for k, x in labels.items()))
+
+    before = scrape()
+    for _ in range(3):
+        assert httpx.post(secured.url + "/v1/chat/completions", json=CHAT,
+                          headers=auth()).status_code == 200
+    after = scrape()
+    req = "mlxfleet_requests_total"
+    assert value(after, req, model="tiny", status="200") - \
+        value(before, req, model="tiny", status="200") == 3
+    toks = "mlxfleet_engine_completion_tokens_total"
+    assert value(after, toks, model="tiny") - value(before, toks, model="tiny") >= 6
+    assert value(after, "mlxfleet_model_loaded", model="tiny") == 1
+    assert value(after, "mlxfleet_request_duration_seconds_count", model="tiny") >= 3
+
+
+def test_rate_limit_gives_429_with_retry_after(tmp_path):
+    f = Fleet(tmp_path, env={"MLXFLEET_RATE_LIMIT": "3"})
+    f.write("tiny.yaml", manifest("tiny"))
+    f.start()
+    try:
+        f.wait_ready("tiny")
+        codes = [httpx.post(f.url + "/v1/chat/completions", json=CHAT).status_code
+                 for _ in range(4)]
+        assert codes[:3] == [200, 200, 200] and codes[3] == 429
+        r = httpx.post(f.url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) > 0
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.get(f.url + "/health").status_code == 200  # not limited
+    finally:
+        f.stop()
+
+
+def test_non_loopback_bind_without_a_key_is_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mlxfleet", "serve", "--host", "0.0.0.0",
+                        "--port", str(free_port()), "--manifests", str(tmp_path),
+                        "--state-dir", str(tmp_path / "s")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "without an API key" in r.stderr
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
