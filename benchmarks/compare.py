@@ -353,6 +353,33 @@ def render(r: dict, args) -> str:
               f"| worker memory after the run (RSS) vs estimate | "
               f"{(mem['measuredBytes'] or 0) / 2**20:.0f} MiB vs "
               f"{mem['estimatedBytes'] / 2**20:.0f} MiB |", ""]
+    lines += ["## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
+
+    def tok(s, k):
+        return r["streams"][s][k]["output_tokens_per_s"] if s in r["streams"] else None
+
+    def row(name, value, ok):
+        lines.append(f"| {name} | {value} | {'yes' if ok else 'no'} |")
+
+    top = max(r["streams"])
+    g, raw = tok(top, "gateway"), tok(top, "raw")
+    row(f"gateway >= 0.90x raw loop at {top} streams", f"{g / raw:.2f}x", g / raw >= 0.9)
+    for s, want in ((1, 1.0), (8, 1.0), (32, 1.2)):
+        if s in r["streams"]:
+            ratio = tok(s, "gateway") / tok(s, "mlx_lm.server")
+            row(f"gateway >= {want:.1f}x mlx_lm.server at {s} streams", f"{ratio:.2f}x",
+                ratio >= want)
+    over = lat["gateway_p50"] - lat["direct_p50"]
+    row("gateway adds <= 1 ms p50 to a tiny request", f"{over:+.2f} ms", over <= 1.0)
+    cold = r["cold_start_s"] - r["raw_load_s"]
+    row("cold start <= raw load + 1 s", f"+{cold:.2f} s", cold <= 1.0)
+    speed = pc["miss_ttft_s"] / pc["hit_ttft_s"]
+    row("prompt-cache hit TTFT >= 5x faster than a miss", f"{speed:.1f}x", speed >= 5)
+    within = (mem["measuredBytes"] or 0) <= mem["estimatedBytes"]
+    row("worker memory within weights + cache budget + overhead (300 MiB)",
+        f"{(mem['measuredBytes'] or 0) / 2**20:.0f} of {mem['estimatedBytes'] / 2**20:.0f} MiB",
+        within)
+    lines.append("")
     return "\n".join(lines)
 
 
