@@ -13,6 +13,7 @@ import asyncio
 import json
 import statistics
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -132,11 +133,12 @@ async def run_bench(url: str, model: str, concurrency: int, requests: int,
                           max_keepalive_connections=concurrency + 4)
     results: list[RequestResult] = []
     counter = iter(range(requests))
+    run = uuid.uuid4().hex[:6]  # distinct prompts per run: no prompt-cache hits across runs
     async with httpx.AsyncClient(base_url=url.rstrip("/"), transport=transport, limits=limits,
                                  timeout=httpx.Timeout(600.0)) as client:
         async def worker():
             for i in counter:
-                prompt = make_prompt(prompt_words, f"{i} " if distinct_prompts else "")
+                prompt = make_prompt(prompt_words, f"{run}-{i} " if distinct_prompts else "")
                 body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
                                         "temperature": 0, "stream": True,
                                         "stream_options": {"include_usage": True},

@@ -178,3 +178,27 @@ def test_streaming_detokenizer_never_splits_utf8(text):
               for i, t in enumerate(ids)]
     assert "".join(chunks) == text
     assert not any("\ufffd" in c for c in chunks)
+
+
+def test_fast_blas_gives_the_same_greedy_tokens(start_worker, monkeypatch):
+    """OpenBLAS (auto) and MLX's bundled BLAS (off) must agree on greedy output."""
+    import sys as _sys
+
+    if not _sys.platform.startswith("linux"):
+        pytest.skip("the BLAS preload only exists on Linux")
+    outputs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setenv("MLXFLEET_BLAS", mode)
+        w = start_worker(source="builtin:tiny-10m", name="blas")
+        with w.client() as c:
+            h = c.get("/health").json()
+            outputs[mode] = (h["blas"], [c.post("/v1/completions", json={
+                "model": "blas", "prompt": p, "max_tokens": 24, "temperature": 0,
+                "logprobs": 0}).json()["choices"][0] for p in ("Hello world", "The capital of")])
+        w.stop()
+    (off_blas, off), (auto_blas, auto) = outputs["off"], outputs["auto"]
+    assert off_blas == "bundled"
+    assert auto_blas != "bundled", "no OpenBLAS found: scripts/setup.sh installs it"
+    for a, b in zip(off, auto):
+        assert a["text"] == b["text"]
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]

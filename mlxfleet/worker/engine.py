@@ -121,6 +121,7 @@ class EngineConfig:
     cache_bytes: int = 1 << 30  # KV budget: running sequences plus retained prompt caches
     batch_wait: float = 0.02  # seconds an idle engine waits to gather a burst (see _coalesce)
     batch_gap: float = 0.005  # ...as long as requests arrive closer together than this
+    admit_wait: float = 0.05  # while decoding, how long new arrivals may gather (see _admit)
 
 
 @dataclass
@@ -325,6 +326,11 @@ class Engine:
         queue always starts, so one oversized request cannot wedge the worker.
         """
         budget = self.config.cache_bytes
+        if self._seqs and self._pending and len(self._pending) < self.config.prefill_batch_size \
+                and time.monotonic() - self._pending[0].submitted_at < self.config.admit_wait:
+            # Decoding goes on meanwhile: let stragglers of a burst gather so that they
+            # are prefilled together instead of one forward pass each.
+            return
         while self._pending:
             gen = self._pending[0]
             if gen.cancelled:
@@ -562,6 +568,14 @@ def _context_length(config: dict, tokenizer: Any) -> Optional[int]:
     return v if isinstance(v, int) and 0 < v < 10**8 else None
 
 
+def _mlx_memory() -> dict[str, int]:
+    """MLX allocator counters (global queries, safe from any thread)."""
+    import mlx.core as mx
+
+    return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+            "peak_bytes": mx.get_peak_memory()}
+
+
 def _grammar_stats() -> dict[str, Any]:
     from .grammar import STATS
 
@@ -580,6 +594,7 @@ def stats_dict(engine: Engine) -> dict[str, Any]:
         "cancelled_total": st.cancelled_total,
         "kv_reserved_bytes": getattr(engine, "_reserved", 0),
         "grammar": _grammar_stats(),
+        "mlx_memory": _mlx_memory(),
         "prompt_cache": engine.prompt_cache.status() if engine.state == "ready" else None,
     }
 
