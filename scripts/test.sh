@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-.venv/bin/ruff check mlxfleet tests
+.venv/bin/ruff check mlxfleet tests benchmarks scripts examples
 .venv/bin/python -m pytest -q "$@"

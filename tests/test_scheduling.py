@@ -77,21 +77,27 @@ def _phase(fleet, name):
     return fleet.status(name)["phase"]
 
 
+def _long_stream(fleet, model: str, max_tokens: int, got: dict) -> threading.Thread:
+    """Start a greedy streaming request in a thread; its token count lands in got."""
+
+    def run():
+        chunks = list(fleet.openai().chat.completions.create(
+            model=model, messages=MSG, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        got["tokens"] = chunks[-1].usage.completion_tokens
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_keep_alive_unloads_when_idle_but_never_mid_stream(fleet):
     fleet.write("a.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="1s"))
     fleet.start()
     pid = fleet.wait_ready("slow")["pid"]
     got = {}
-
-    def stream():
-        chunks = list(fleet.openai().chat.completions.create(
-            model="slow", messages=MSG, max_tokens=1200, temperature=0, stream=True,
-            stream_options={"include_usage": True}))
-        got["tokens"] = chunks[-1].usage.completion_tokens
-
     t0 = time.monotonic()
-    t = threading.Thread(target=stream)
-    t.start()
+    t = _long_stream(fleet, "slow", 1200, got)
     # Well past the 1s keep-alive, the model is still loaded while it streams.
     while t.is_alive() and time.monotonic() - t0 < 3:
         assert fleet.status("slow")["pid"] == pid
@@ -234,15 +240,7 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
 
         # b streams a long answer; a request for a must evict idle c, not busy b.
         got = {}
-
-        def stream():
-            chunks = list(f.openai().chat.completions.create(
-                model="b", messages=MSG, max_tokens=1500, temperature=0, stream=True,
-                stream_options={"include_usage": True}))
-            got["tokens"] = chunks[-1].usage.completion_tokens
-
-        t = threading.Thread(target=stream)
-        t.start()
+        t = _long_stream(f, "b", 1500, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
         f.chat("a")
         assert f.status("c")["phase"] == "Unloaded"
@@ -253,8 +251,7 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
         # Pin a; keep b busy: nothing can make room for c -> 503 that explains.
         f.write("a.yaml", manifest("a", **{**spec, "pinned": True}))
         assert wait_for(lambda: f.status("a")["pinned"], 10)
-        t = threading.Thread(target=stream)
-        t.start()
+        t = _long_stream(f, "b", 1500, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
         r = httpx.post(f.url + "/v1/chat/completions", timeout=60,
                        json={"model": "c", "messages": MSG})

@@ -7,23 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from fleet import wait_for
 
 MSGS = [{"role": "user", "content": "Tell me a long story."}]
-
-
-def _wait_for(pred, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    return pred()
 
 
 def test_disconnected_clients_free_their_slots(start_worker):
@@ -41,11 +31,11 @@ def test_disconnected_clients_free_their_slots(start_worker):
         for _ in range(6):
             next(lines)
         clients.append((c, resp, lines))  # dropping `lines` would hang up now
-    assert _wait_for(lambda: w.status()["num_running"] == 4), w.status()
+    assert wait_for(lambda: w.status()["num_running"] == 4), w.status()
     for c, resp, _ in clients:
         resp.close()
         c.close()
-    st = _wait_for(lambda: (s := w.status())["num_running"] == 0 and s, timeout=5)
+    st = wait_for(lambda: (s := w.status())["num_running"] == 0 and s, timeout=5)
     assert st, w.status()
     assert st["cancelled_total"] == 4
     assert st["generation_tokens_total"] < 4 * 1900 / 2  # they did not run to the end
@@ -84,7 +74,7 @@ def test_sigterm_drains_in_flight_requests(start_worker):
 
     t = threading.Thread(target=stream)
     t.start()
-    assert _wait_for(lambda: w.status()["num_running"] == 1, timeout=10)
+    assert wait_for(lambda: w.status()["num_running"] == 1, timeout=10)
     w.proc.send_signal(signal.SIGTERM)
     t.join(60)
     assert w.proc.wait(30) == 0
@@ -137,7 +127,7 @@ def test_unloadable_source_reports_error_and_503(start_worker, tmp_path):
         except httpx.TransportError:
             return False
 
-    h = _wait_for(failed, timeout=30)
+    h = wait_for(failed, timeout=30)
     assert h, w.logs()
     assert "config.json" in h["error"]
     with w.client() as c:
@@ -149,7 +139,7 @@ def test_unloadable_source_reports_error_and_503(start_worker, tmp_path):
 def test_hub_source_offline_fails_cleanly(start_worker, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     w = start_worker(source="mlx-community/definitely-not-cached", name="hub", wait=False)
-    h = _wait_for(lambda: _health(w).get("state") == "failed" and _health(w), timeout=60)
+    h = wait_for(lambda: _health(w).get("state") == "failed" and _health(w), timeout=60)
     assert h, w.logs()
 
 
