@@ -10,7 +10,13 @@ import openai
 import pytest
 from fleet import Fleet, manifest
 
-from mlxfleet.worker.parsers import OutputSplitter, ToolFormat, _json_calls, tool_format
+from mlxfleet.worker.parsers import (
+    OutputSplitter,
+    ToolFormat,
+    _json_calls,
+    first_call_only,
+    tool_format,
+)
 
 WEATHER = {"name": "get_weather", "description": "Get the current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -278,3 +284,9 @@ def test_an_invalid_call_is_shown_not_lost():
     pieces = sp.feed("<tool_call>not json</tool_call> after") + sp.finish()
     assert "".join(v for k, v in pieces if k == "content") == \
         "<tool_call>not json</tool_call> after"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    pieces = [("content", "a"), ("call", {"name": "f"}), ("call", {"name": "g"})]
+    assert first_call_only(pieces, False) == pieces[:2]
+    assert first_call_only(pieces, True) == pieces[:1]

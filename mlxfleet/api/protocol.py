@@ -192,6 +192,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
     @property

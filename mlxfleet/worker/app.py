@@ -37,7 +37,7 @@ from .completions import (
     usage,
 )
 from .engine import Engine, EngineError, Generation, TokenEvent, stats_dict
-from .parsers import arguments_json, call_id, parse_calls
+from .parsers import arguments_json, call_id, first_call_only, parse_calls
 
 log = logging.getLogger("mlxfleet.worker")
 
@@ -71,6 +71,7 @@ class Call:
         self.plan = plan or OutputPlan()
         self.splitters = [self.plan.splitter(tools) for _ in range(n)]
         self.tools = tools
+        self.single_call = False
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = prompt_tokens
         self.engine_open = n  # sequences still running in the engine
@@ -104,6 +105,8 @@ class Call:
                 self.engine.cancel(self.gen, [ev.index])
                 self.engine_open -= 1
         ch = self.choices[ev.index]
+        if self.single_call:  # parallel_tool_calls: false
+            pieces = first_call_only(pieces, bool(ch.calls))
         for kind, value in pieces:
             {"content": ch.content, "reasoning": ch.reasoning, "call": ch.calls}[kind].append(
                 value)
@@ -242,6 +245,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
                            headers={"Retry-After": "1"})
         gen = engine.submit(prompts, params, req.n)
         call = Call(engine, gen, info, req.stop_list, sum(len(p) for p in prompts), plan, tools)
+        call.single_call = getattr(req, "parallel_tool_calls", None) is False
         call.request_id = request.headers.get("X-Request-Id") or new_id("req")
         state["calls"][call.request_id] = call
         return req, call

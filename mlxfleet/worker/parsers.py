@@ -148,6 +148,18 @@ def parse_calls(fmt: ToolFormat, text: str, tools: Any) -> Optional[list[Call]]:
     return calls or None
 
 
+def first_call_only(pieces: list[tuple[str, Any]], seen: bool) -> list[tuple[str, Any]]:
+    """Drop every call after the first (``parallel_tool_calls: false``)."""
+    out = []
+    for kind, value in pieces:
+        if kind == "call":
+            if seen:
+                continue
+            seen = True
+        out.append((kind, value))
+    return out
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
