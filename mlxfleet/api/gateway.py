@@ -183,9 +183,7 @@ async def _send(supervisor: Any, rt: Any, target: tuple):
     for attempt in range(2):
         worker = rt.begin()
         try:
-            upstream = await worker.client.send(
-                worker.client.build_request(method, path, content=raw, headers=headers),
-                stream=True)
+            upstream = await worker.forward(method, path, raw, headers)
             return upstream, worker
         except httpx.TransportError as e:
             rt.end(worker)
