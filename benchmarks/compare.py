@@ -394,9 +394,12 @@ NOTES = """## Notes
   (`batch_wait` 20 ms, `batch_gap` 5 ms) and lets arrivals gather while it decodes
   (`admit_wait` 50 ms). That took the worker at 32 streams from 0.66x to about 0.9x of the raw
   loop (`python benchmarks/compare.py` before and after, same machine).
-- The gateway hop costs a few milliseconds per request (httpx over a Unix socket, Quart's request
-  handling, auth and metrics hooks): the 1 ms target is not met. A leaner HTTP client for the hop
-  is the next step.
+- The gateway hop costs a few milliseconds per request (Quart's request handling on the public
+  side, the HTTP hop over the worker's Unix socket, auth and metrics hooks): the 1 ms target is
+  not met. Forwarding straight through httpx's pooled transport (skipping its client layer)
+  brought a focused A/B on `builtin:tiny` (150 sequential 1-token requests, worker direct vs
+  gateway) to +1.6 to +1.9 ms; the full run above, after the throughput rows, measured more.
+  The public side's framework overhead is the next thing to cut.
 - mlx_lm.server also has a prompt cache; prompts are unique per run (`mlxfleet bench` salts
   them), so no server gets cache hits during the throughput rows.
 """

@@ -13,8 +13,8 @@ from fleet import Fleet, manifest
 from mlxfleet.worker.parsers import (
     OutputSplitter,
     ToolFormat,
-    _json_calls,
     first_call_only,
+    json_calls,
     tool_format,
 )
 
@@ -245,7 +245,7 @@ def tiny_think_id():
 
 
 def test_splitter_streams_reasoning_content_and_calls():
-    fmt = ToolFormat("hermes", "<tool_call>", "</tool_call>", _json_calls)
+    fmt = ToolFormat("hermes", "<tool_call>", "</tool_call>", json_calls)
     sp = OutputSplitter(fmt, None, ("<think>", "</think>"), starts_in_reasoning=True)
     text = ('I should call it.</think>Sure. <tool_call>\n{"name": "f", "arguments": '
             '{"x": 1}}\n</tool_call>')

@@ -106,7 +106,6 @@ def create_gateway(supervisor: Any) -> Quart:
             finally:
                 await upstream.aclose()  # on timeout this aborts the generation in the worker
                 rt.end(worker)
-            metrics.usage(rt.name, content)
             return Response(content, status=upstream.status_code, content_type=ctype)
         return streaming_response(
             metrics.observe_stream(_relay(rt, upstream, worker, deadline), rt.name),

@@ -88,9 +88,6 @@ class Metrics:
 
         return timed()
 
-    def usage(self, model: str, content: bytes) -> None:
-        """Hook for non-streaming bodies (token totals come from the workers' counters)."""
-
     async def _worker_status(self, name: str) -> tuple[str, dict | None]:
         rt = self.sup.models.get(name)
         if rt is None or not rt.ready:

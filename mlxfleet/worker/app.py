@@ -37,7 +37,14 @@ from .completions import (
     usage,
 )
 from .engine import Engine, EngineError, Generation, TokenEvent, stats_dict
-from .parsers import arguments_json, call_id, first_call_only, parse_calls
+from .parsers import (
+    ToolFormat,
+    arguments_json,
+    call_id,
+    first_call_only,
+    json_calls,
+    parse_calls,
+)
 
 log = logging.getLogger("mlxfleet.worker")
 
@@ -72,6 +79,7 @@ class Call:
         self.splitters = [self.plan.splitter(tools) for _ in range(n)]
         self.tools = tools
         self.single_call = False
+        self._forced: dict[int, str] = {}  # forced tool call: the JSON text per choice
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = prompt_tokens
         self.engine_open = n  # sequences still running in the engine
@@ -117,14 +125,13 @@ class Call:
             return []
         sp = self.splitters[i]
         if self.plan.forced_tool:
-            self._forced = getattr(self, "_forced", {})
             self._forced[i] = self._forced.get(i, "") + text
             return []
         return sp.feed(text) if sp else [("content", text)]
 
     def _finish(self, i: int) -> list[tuple[str, Any]]:
         if self.plan.forced_tool:
-            text = getattr(self, "_forced", {}).get(i, "")
+            text = self._forced.get(i, "")
             calls = parse_calls(_FORCED, text, self.tools)
             return [("call", c) for c in calls] if calls else [("content", text)]
         sp = self.splitters[i]
@@ -147,13 +154,8 @@ class Call:
         return usage(self.prompt_tokens, self.completion_tokens, self.gen.cached_tokens)
 
 
-def _forced_format():
-    from .parsers import ToolFormat, _json_calls
-
-    return ToolFormat("forced", None, None, _json_calls)
-
-
-_FORCED = _forced_format()
+#: With tool_choice required/named the grammar makes the output one JSON call.
+_FORCED = ToolFormat("forced", None, None, json_calls)
 
 
 def openai_tool_call(call: dict, index: Optional[int] = None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def _as_list(x) -> list[Call]:
     return out
 
 
-def _json_calls(text: str, tools=None) -> list[Call]:
+def json_calls(text: str, tools=None) -> list[Call]:
     """One JSON object, a JSON array, or several objects separated by ``;``/newlines."""
     text = text.strip()
     fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.S)
@@ -113,12 +113,12 @@ _FORMATS: dict[str, Callable[[], ToolFormat]] = {
     "glm47": lambda: _mlx("glm47"),
     "pythonic": lambda: _mlx("pythonic"),
     "qwen3_coder": lambda: _mlx("qwen3_coder"),
-    "llama": lambda: ToolFormat("llama", "<|python_tag|>", None, _json_calls),
+    "llama": lambda: ToolFormat("llama", "<|python_tag|>", None, json_calls),
     "deepseek": lambda: ToolFormat("deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                                    _deepseek),
-    "granite": lambda: ToolFormat("granite", "<|tool_call|>", None, _json_calls),
-    "nemotron": lambda: ToolFormat("nemotron", "<TOOLCALL>", "</TOOLCALL>", _json_calls),
-    "xlam": lambda: ToolFormat("xlam", None, None, _json_calls),
+    "granite": lambda: ToolFormat("granite", "<|tool_call|>", None, json_calls),
+    "nemotron": lambda: ToolFormat("nemotron", "<TOOLCALL>", "</TOOLCALL>", json_calls),
+    "xlam": lambda: ToolFormat("xlam", None, None, json_calls),
     "functionary": lambda: ToolFormat("functionary", None, None, _functionary),
 }
 TOOL_PARSERS = sorted([*_FORMATS, "auto"])
