@@ -153,6 +153,20 @@ def test_anthropic_errors_use_anthropics_shape(fleet, claude):
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "image" in body["error"]["message"]
+    # Odd but valid-JSON shapes are handled, never a 500.
+    r = httpx.post(fleet.url + "/v1/messages", json={
+        "model": "demo", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                               "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": [1, "two", {"type": "text",
+                                                                 "text": "ok"}]}]}]})
+    assert r.status_code == 200, r.text
+    r = httpx.post(fleet.url + "/v1/messages", json={
+        "model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "bogus"}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
 
 
 # ---- OpenAI tool calling with grammars ---------------------------------------------------

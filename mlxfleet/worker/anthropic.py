@@ -68,11 +68,13 @@ def _text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        return str(content)
     parts = []
     for b in content:
-        d = b if isinstance(b, dict) else b.model_dump()
+        d = b if isinstance(b, dict) else b.model_dump() if isinstance(b, BaseModel) else {}
         if d.get("type") == "text":
-            parts.append(d.get("text", ""))
+            parts.append(str(d.get("text", "")))
     return "".join(parts)
 
 
@@ -102,8 +104,7 @@ def to_chat(req: MessagesRequest | CountTokensRequest, max_tokens: Optional[int]
             elif kind == "tool_result" and m.role == "user":
                 content = d.get("content")
                 results.append({"role": "tool", "tool_call_id": d.get("tool_use_id"),
-                                "content": content if isinstance(content, str)
-                                else _text([_Block.model_validate(x) for x in content or []])})
+                                "content": _text(content)})
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not fed back, as with OpenAI's API
             else:
