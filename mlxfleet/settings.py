@@ -41,6 +41,8 @@ class ServerSettings(BaseSettings):
     reload_debounce_ms: int = Field(300, ge=0)
     request_wait_timeout: float = Field(
         300.0, gt=0, description="seconds a request waits for its model to become ready")
+    sse_keepalive_interval: float = Field(
+        2.0, gt=0, description="seconds between SSE comment lines while a model loads")
     busy_wait_timeout: float = Field(
         60.0, ge=0, description="seconds a load waits for busy models to go idle when only "
         "they could make room")

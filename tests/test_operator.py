@@ -282,3 +282,30 @@ def test_serve_source_quick_start(tmp_path):
         proc.terminate()
         assert proc.wait(30) == 0
         log.close()
+
+
+def test_logs_follow_streams_new_lines(fleet):
+    import subprocess
+    import sys
+
+    fleet.write("a.yaml", manifest("alpha"))
+    fleet.start()
+    fleet.wait_ready("alpha")
+    proc = subprocess.Popen([sys.executable, "-m", "mlxfleet", "logs", "alpha", "-f",
+                             "--tail", "1"], stdout=subprocess.PIPE, text=True,
+                            env=fleet.env)
+    try:
+        proc.stdout.readline()  # the tail
+        # A request makes the worker log a line; -f must show it as it is written.
+        fleet.chat("alpha", extra_headers={"X-Request-Id": "follow-me"})
+        seen = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if "request follow-me:" in line:
+                break
+        assert any("request follow-me:" in ln for ln in seen), seen
+    finally:
+        proc.kill()
+        proc.wait()

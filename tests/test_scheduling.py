@@ -161,13 +161,24 @@ def test_concurrent_first_requests_share_one_load(fleet):
     assert log.count("starting worker lazy") == 1
 
 
-def test_streaming_request_for_an_unloaded_model_waits_and_streams(fleet):
-    fleet.write("a.yaml", manifest("lazy", preload=False))
-    fleet.start()
-    chunks = list(fleet.openai().chat.completions.create(
-        model="lazy", messages=MSG, max_tokens=6, stream=True,
-        stream_options={"include_usage": True}))
-    assert chunks[-1].usage.completion_tokens == 6
+def test_streaming_request_for_an_unloaded_model_waits_and_streams(tmp_path):
+    f = Fleet(tmp_path, env={"MLXFLEET_SSE_KEEPALIVE_INTERVAL": "0.1"})
+    f.write("a.yaml", manifest("lazy", preload=False))
+    f.start()
+    try:
+        with httpx.stream("POST", f.url + "/v1/chat/completions", timeout=60, json={
+                "model": "lazy", "messages": MSG, "max_tokens": 6, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        # Comment lines keep the connection alive while the worker starts (over a second).
+        assert lines[0] == ": loading model lazy"
+        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert data[-1]["usage"]["completion_tokens"] == 6 and lines[-1] == "data: [DONE]"
+        chunks = list(f.openai().chat.completions.create(  # the SDK skips the comments
+            model="lazy", messages=MSG, max_tokens=3, stream=True))
+        assert chunks
+    finally:
+        f.stop()
 
 
 def test_a_failed_load_answers_every_waiter_with_its_error(fleet, tmp_path):

@@ -236,7 +236,8 @@ async def _stream_after_load(supervisor: Any, rt: Any, target: tuple, deadline: 
     load = asyncio.ensure_future(_until_ready(supervisor, rt))
     try:
         while True:
-            done, _ = await asyncio.wait({load}, timeout=2.0)
+            done, _ = await asyncio.wait({load},
+                                         timeout=supervisor.settings.sse_keepalive_interval)
             if done:
                 break
             yield f": loading model {rt.name}\n\n".encode()
