@@ -66,8 +66,7 @@ def register_control(app: Quart, supervisor: Any) -> None:
             await supervisor.ensure_loaded(rt)
             await rt.wait_ready(supervisor.settings.startup_timeout)
         except LoadRefused as e:
-            raise APIError(503, str(e), type="service_unavailable",
-                           code="insufficient_memory") from None
+            raise APIError(503, str(e), type="service_unavailable", code=e.code) from None
         except RuntimeError as e:
             raise APIError(503, f"Model '{rt.name}' failed to load: {e}",
                            type="service_unavailable", code="model_load_failed") from None

@@ -160,8 +160,7 @@ async def _until_ready(supervisor: Any, rt: Any) -> None:
             await supervisor.ensure_loaded(rt)
             await rt.wait_ready(max(0.1, deadline - time.monotonic()))
     except LoadRefused as e:
-        raise APIError(503, str(e), type="service_unavailable", code="insufficient_memory"
-                       if "needs" in str(e) else "model_unavailable",
+        raise APIError(503, str(e), type="service_unavailable", code=e.code,
                        headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
     except RuntimeError as e:  # the load failed: every waiter hears why
         raise APIError(503, f"Model '{rt.name}' failed to load: {e}",

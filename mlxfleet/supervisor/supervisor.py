@@ -20,10 +20,13 @@ log = logging.getLogger("mlxfleet.supervisor")
 
 
 class LoadRefused(Exception):
-    """A model cannot be loaded now; ``retry_after`` seconds may change that."""
+    """A model cannot be loaded now; ``retry_after`` seconds may change that.
 
-    def __init__(self, message: str, retry_after: float = 5.0):
+    ``code`` says why: ``insufficient_memory`` or ``model_load_failed``."""
+
+    def __init__(self, message: str, code: str, retry_after: float = 5.0):
         super().__init__(message)
+        self.code = code
         self.retry_after = retry_after
 
 
@@ -179,7 +182,7 @@ class Supervisor:
         wait = rt.retry_after()
         if wait > 0:
             raise LoadRefused(f"Model '{rt.name}' failed to load: {rt.last_error}. "
-                              f"Retrying in {wait:.0f}s.", retry_after=wait)
+                              f"Retrying in {wait:.0f}s.", "model_load_failed", retry_after=wait)
         deadline = asyncio.get_running_loop().time() + self.settings.busy_wait_timeout
         async with self._sched_lock:
             while not rt.want_loaded and not rt.removed:
@@ -198,7 +201,7 @@ class Supervisor:
                 left = deadline - asyncio.get_running_loop().time()
                 if not p.wait or left <= 0:
                     rt.event("Warning", "LoadRefused", p.message)
-                    raise LoadRefused(f"Cannot load model {p.message}.")
+                    raise LoadRefused(f"Cannot load model {p.message}.", "insufficient_memory")
                 log.info("%s: waiting for a busy model to go idle: %s", rt.name, p.message)
                 self._idle.clear()
                 try:

@@ -79,7 +79,6 @@ class Call:
         self.splitters = [self.plan.splitter(tools) for _ in range(n)]
         self.tools = tools
         self.single_call = False
-        self._forced: dict[int, str] = {}  # forced tool call: the JSON text per choice
         self.choices = [Choice() for _ in range(n)]
         self.prompt_tokens = prompt_tokens
         self.engine_open = n  # sequences still running in the engine
@@ -123,15 +122,14 @@ class Call:
     def _split(self, i: int, text: str) -> list[tuple[str, Any]]:
         if not text:
             return []
-        sp = self.splitters[i]
         if self.plan.forced_tool:
-            self._forced[i] = self._forced.get(i, "") + text
-            return []
+            return []  # the whole output is one JSON call, parsed when the choice ends
+        sp = self.splitters[i]
         return sp.feed(text) if sp else [("content", text)]
 
     def _finish(self, i: int) -> list[tuple[str, Any]]:
         if self.plan.forced_tool:
-            text = self._forced.get(i, "")
+            text = self.decoders[i].text
             calls = parse_calls(_FORCED, text, self.tools)
             return [("call", c) for c in calls] if calls else [("content", text)]
         sp = self.splitters[i]

@@ -237,13 +237,13 @@ class Engine:
         # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
         # model. Bound it by the KV budget so the worker's memory stays predictable.
         mx.set_cache_limit(max(64 << 20, self.config.cache_bytes // 4))
-        self._new_batch_generator()
+        self._init_batching()
         self.load_seconds = time.monotonic() - t0
         log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
                  self.load_seconds, self.context_length)
 
-    def _new_batch_generator(self) -> None:
-        from mlx_lm.generate import BatchGenerator
+    def _init_batching(self) -> None:
+        from mlx_lm.generate import BatchGenerator, StopSequences
 
         cfg = self.config
         self._bg = BatchGenerator(
@@ -257,8 +257,6 @@ class Engine:
         self._seqs: dict[int, _Seq] = {}
         self._samplers: dict[tuple, Any] = {}
         self._pending: collections.deque[Generation] = collections.deque()
-        from mlx_lm.generate import StopSequences
-
         self._no_stop = StopSequences(None)
         self._reserved = 0
         self.prompt_cache = PromptCache(cfg.cache_bytes)
@@ -279,12 +277,9 @@ class Engine:
                     break
                 if not self._handle(item):
                     return
-            self._admit()
+            self._admit()  # with nothing running, the head of the queue always starts
             if self._seqs:
                 self._step()
-            elif self._pending:  # only cancelled generations are left waiting
-                self._pending = collections.deque(g for g in self._pending
-                                                  if not g.cancelled)
 
     def _coalesce(self) -> bool:
         """After an idle spell, wait briefly for more requests so that a burst is
@@ -341,7 +336,7 @@ class Engine:
                 break
             self._pending.popleft()
             self.prompt_cache.trim(budget - self._reserved - need)
-            self._insert(gen)
+            self._insert(gen, need // gen.num_sequences)
         self.stats.waiting = len(self._pending) + len(self._bg._unprocessed_sequences)
 
     def _handle(self, item) -> bool:
@@ -363,9 +358,8 @@ class Engine:
                 self._count()
         return True
 
-    def _insert(self, gen: Generation) -> None:
-        if gen.cancelled:
-            return
+    def _insert(self, gen: Generation, need: int) -> None:
+        """Start ``gen``'s sequences, each reserving ``need`` bytes of KV."""
         p = gen.params
         try:
             prompts, caches, cached = [], [], []
@@ -395,7 +389,6 @@ class Engine:
             return
         gen.uids = uids
         gen.phase, gen.started_at = "prefill", time.monotonic()
-        need = self._need(gen)
         for i, uid in enumerate(uids):
             self._seqs[uid] = _Seq(gen, i, need)
         self._reserved += need * len(uids)
