@@ -25,6 +25,17 @@ def manifest(name: str, source: str = "builtin:tiny", **spec) -> str:
                            "metadata": {"name": name}, "spec": body}, sort_keys=False)
 
 
+def in_parallel(fn: Callable, calls) -> list:
+    """Run ``fn`` once per argument tuple in ``calls`` (or ``calls`` times with no
+    arguments), all at once; return the results in order, raising the first error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = [()] * calls if isinstance(calls, int) else list(calls)
+    with ThreadPoolExecutor(len(args)) as ex:
+        futures = [ex.submit(fn, *a) for a in args]
+        return [f.result(timeout=120) for f in futures]
+
+
 def wait_for(pred: Callable, timeout: float = 30.0, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from fleet import Fleet, manifest, wait_for
+from fleet import Fleet, in_parallel, manifest, wait_for
 
 
 @pytest.fixture
@@ -36,17 +36,10 @@ def test_files_added_edited_and_deleted_drive_the_models(fleet):
     assert fleet.status("alpha")["pid"] == a["pid"]
 
     # Two models answer at the same time.
-    results = {}
-
     def ask(m):
-        results[m] = fleet.chat(m, max_tokens=50).usage.completion_tokens
+        return fleet.chat(m, max_tokens=50).usage.completion_tokens
 
-    threads = [threading.Thread(target=ask, args=(m,)) for m in ("alpha", "beta")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == {"alpha": 50, "beta": 50}
+    assert in_parallel(ask, [("alpha",), ("beta",)]) == [50, 50]
 
     # Editing beta's spec replaces beta only.
     fleet.write("b.yaml", manifest("beta", defaults={"maxTokens": 7}))

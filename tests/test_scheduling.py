@@ -10,7 +10,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from fleet import Fleet, manifest, wait_for
+from fleet import Fleet, in_parallel, manifest, wait_for
 
 from mlxfleet.supervisor.scheduler import Candidate, parse_memory, plan_load
 
@@ -139,20 +139,8 @@ def test_keep_alive_zero_forever_and_per_request(fleet):
 def test_concurrent_first_requests_share_one_load(fleet):
     fleet.write("a.yaml", manifest("lazy", preload=False))
     fleet.start()
-    results, errors = [], []
-
-    def ask():
-        try:
-            results.append(fleet.chat("lazy").usage.completion_tokens)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=ask) for _ in range(10)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and results == [4] * 10
+    results = in_parallel(lambda: fleet.chat("lazy").usage.completion_tokens, 10)
+    assert results == [4] * 10
     st = fleet.status("lazy")
     spawns = [e for e in st["events"] if e["reason"] == "Loading"]
     assert len(spawns) == 1, st["events"]
@@ -184,18 +172,12 @@ def test_streaming_request_for_an_unloaded_model_waits_and_streams(tmp_path):
 def test_a_failed_load_answers_every_waiter_with_its_error(fleet, tmp_path):
     fleet.write("a.yaml", manifest("broken", source=str(tmp_path / "nope"), preload=False))
     fleet.start()
-    codes = []
-
     def ask():
         r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60,
                        json={"model": "broken", "messages": MSG})
-        codes.append((r.status_code, r.json()["error"]["message"], r.headers))
+        return r.status_code, r.json()["error"]["message"], r.headers
 
-    threads = [threading.Thread(target=ask) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    codes = in_parallel(ask, 3)
     assert len(codes) == 3
     for status, message, headers in codes:
         assert status == 503 and "config.json" in message and "Retry-After" in headers
@@ -206,18 +188,9 @@ def test_full_load_queue_gets_503_with_retry_after(fleet):
     fleet.write("a.yaml", manifest("lazy", source="builtin:tiny-10m", preload=False,
                                    batching={"maxQueue": 1}))
     fleet.start()
-    out = []
-
-    def ask():
-        r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60,
-                       json={"model": "lazy", "messages": MSG, "max_tokens": 2})
-        out.append(r)
-
-    threads = [threading.Thread(target=ask) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = in_parallel(lambda: httpx.post(
+        fleet.url + "/v1/chat/completions", timeout=60,
+        json={"model": "lazy", "messages": MSG, "max_tokens": 2}), 6)
     full = [r for r in out if r.status_code == 503]
     assert full and all(r.json()["error"]["code"] == "queue_full" and
                         r.headers["Retry-After"] for r in full)

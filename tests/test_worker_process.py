@@ -11,7 +11,7 @@ import threading
 import httpx
 import openai
 import pytest
-from fleet import wait_for
+from fleet import in_parallel, wait_for
 
 MSGS = [{"role": "user", "content": "Tell me a long story."}]
 
@@ -43,18 +43,8 @@ def test_disconnected_clients_free_their_slots(start_worker):
     # The next four requests get the whole batch again.
     client = openai.OpenAI(base_url=w.base_url + "/v1", api_key="x", max_retries=0)
     before = w.status()
-    results = []
-
-    def run(i):
-        r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=200,
-                                           temperature=0)
-        results.append(r.usage.completion_tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = in_parallel(lambda: client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=200, temperature=0).usage.completion_tokens, 4)
     assert results == [200] * 4
     steps = w.status()["steps_executed"] - before["steps_executed"]
     assert steps < 2 * 200, steps  # ran together (sequentially it would take 800 steps)
