@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from .units import fmt_age, fmt_bytes
+
 
 def _default_name(source: str) -> str:
     base = source.split(":", 1)[-1].rstrip("/").split("/")[-1]
@@ -112,8 +114,7 @@ def _run_worker(args) -> int:
 
 
 def _run_make_model(args) -> int:
-    from .sources import BUILTIN_PREFIX
-    from .worker.builtin import BUILTIN_NAMES, write_builtin
+    from .builtin import BUILTIN_NAMES, BUILTIN_PREFIX, write_builtin
 
     name = args.source[len(BUILTIN_PREFIX):] if args.source.startswith(BUILTIN_PREFIX) \
         else args.source
@@ -279,24 +280,6 @@ def _api(args, method: str, path: str, **kw):
     return r
 
 
-def _age(seconds: float) -> str:
-    s = int(seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{s // size}{unit}"
-    return f"{s}s"
-
-
-def _mem(b) -> str:
-    if not b:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024 or unit == "GiB":
-            return f"{b:.0f}{unit}" if unit == "B" else f"{b:.1f}{unit}"
-        b /= 1024
-    return str(b)
-
-
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -312,18 +295,19 @@ def _run_get(args) -> int:
         rows[0] += ["PID", "EST. MEMORY", "KEEP-ALIVE", "LAST USED", "EXPIRES", "ALIASES"]
     for m in data["items"]:
         row = [m["name"], m["source"], m["phase"], "1/1" if m["ready"] else "0/1",
-               str(m["restarts"]), _mem(m["memoryBytes"]), _age(m["ageSeconds"])]
+               str(m["restarts"]), fmt_bytes(m["memoryBytes"]), fmt_age(m["ageSeconds"])]
         if args.output == "wide":
             ka = m["keepAlive"]
-            row += [str(m["pid"] or "-"), _mem(m["memory"]["footprintBytes"]),
+            row += [str(m["pid"] or "-"), fmt_bytes(m["memory"]["footprintBytes"]),
                     ka if isinstance(ka, str) else f"{ka:g}s", m["lastUsed"] or "-",
                     m["expiresAt"] or "-", ",".join(m["aliases"]) or "-"]
         rows.append(row)
     print(_table(rows) if len(rows) > 1 else "No models.")
     mem = data.get("memory")
     if mem:
-        print(f"\nmemory: {_mem(mem['usedBytes'])} used of {_mem(mem['budgetBytes'])} budget, "
-              f"{_mem(max(mem['freeBytes'], 0))} free")
+        print(f"\nmemory: {fmt_bytes(mem['usedBytes'])} used of "
+              f"{fmt_bytes(mem['budgetBytes'])} budget, "
+              f"{fmt_bytes(max(mem['freeBytes'], 0))} free")
     for errs in data.get("manifestErrors", {}).values():
         for e in errs:
             print(f"manifest error: {e}", file=sys.stderr)
@@ -340,15 +324,16 @@ def _run_describe(args) -> int:
     print(f"Phase:         {m['phase']}")
     print(f"Generation:    {m['generation']} (observed {m['observedGeneration']})")
     print(f"PID:           {m['pid'] or '-'}")
-    print(f"Memory:        {_mem(m['memoryBytes'])}")
+    print(f"Memory:        {fmt_bytes(m['memoryBytes'])}")
     print(f"Restarts:      {m['restarts']}")
     ka = m["keepAlive"]
     print(f"Keep-alive:    {ka if isinstance(ka, str) else f'{ka:g}s'}"
           f"{' (pinned)' if m['pinned'] else ''}, priority {m['priority']}")
     print(f"Last used:     {m['lastUsed'] or '-'}   expires: {m['expiresAt'] or '-'}")
     mm = m["memory"]
-    print(f"Est. memory:   {_mem(mm['footprintBytes'])} (weights {_mem(mm['weightBytes'])}, "
-          f"KV cache {_mem(mm['cacheBytes'])}; measured {_mem(mm['measuredBytes'])})")
+    print(f"Est. memory:   {fmt_bytes(mm['footprintBytes'])} "
+          f"(weights {fmt_bytes(mm['weightBytes'])}, "
+          f"KV cache {fmt_bytes(mm['cacheBytes'])}; measured {fmt_bytes(mm['measuredBytes'])})")
     print(f"Last error:    {m['lastError'] or '-'}")
     print(f"Log:           {m['logFile']}")
     print("Conditions:")
@@ -403,7 +388,7 @@ def _run_apply(args) -> int:
 
 def _run_load(args) -> int:
     m = _api(args, "POST", f"/models/{args.name}/load", timeout=None).json()
-    print(f"model/{m['name']} loaded (pid {m['pid']}, {_mem(m['memoryBytes'])})")
+    print(f"model/{m['name']} loaded (pid {m['pid']}, {fmt_bytes(m['memoryBytes'])})")
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,33 +31,11 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .units import parse_duration
+
 API_VERSION = "mlxfleet/v1"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MANIFEST_SUFFIXES = (".yaml", ".yml")
-
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-
-
-def parse_duration(v: Any) -> float:
-    """``30s``, ``5m``, ``1h30m``, a number of seconds, ``0``; ``-1``/``forever`` = infinity."""
-    if isinstance(v, bool):
-        raise ValueError("expected a duration such as 30s, 5m, 1h, 0 or -1")
-    if isinstance(v, (int, float)):
-        return math.inf if v < 0 else float(v)
-    if isinstance(v, str):
-        s = v.strip().lower()
-        if s in ("-1", "forever", "inf", "infinite", "never"):
-            return math.inf
-        try:
-            return parse_duration(float(s))
-        except ValueError:
-            pass
-        parts = _DURATION_RE.findall(s)
-        if parts and "".join(n + u for n, u in parts) == s:
-            return sum(float(n) * _UNITS[u] for n, u in parts)
-    raise ValueError(f"{v!r} is not a duration (use e.g. 30s, 5m, 1h30m, 0, -1 or forever)")
-
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 

@@ -77,7 +77,7 @@ class ServerSettings(BaseSettings):
     @field_validator("keep_alive")
     @classmethod
     def _keep_alive(cls, v: str) -> str:
-        from .manifest import parse_duration
+        from .units import parse_duration
 
         parse_duration(v)
         return v
@@ -85,7 +85,7 @@ class ServerSettings(BaseSettings):
     @field_validator("memory_budget")
     @classmethod
     def _budget(cls, v: str) -> str:
-        from .supervisor.scheduler import parse_memory
+        from .units import parse_memory
 
         parse_memory(v, 1 << 30)
         return v
@@ -96,14 +96,14 @@ class ServerSettings(BaseSettings):
 
     @property
     def keep_alive_seconds(self) -> float:
-        from .manifest import parse_duration
+        from .units import parse_duration
 
         return parse_duration(self.keep_alive)
 
     def memory_budget_bytes(self) -> int:
         import psutil
 
-        from .supervisor.scheduler import parse_memory
+        from .units import parse_memory
 
         return parse_memory(self.memory_budget, psutil.virtual_memory().total)
 

@@ -2,7 +2,7 @@
 
 Three kinds of source:
 
-- ``builtin:NAME``: a tiny model mlxfleet writes itself (``worker/builtin.py``);
+- ``builtin:NAME``: a tiny model mlxfleet writes itself (``builtin.py``);
 - a local directory in Hugging Face / MLX layout;
 - a Hugging Face repo id (``mlx-community/Qwen3-0.6B-4bit``), downloaded with
   ``huggingface_hub`` (progress bars on stderr; ``HF_HUB_OFFLINE=1`` means only
@@ -18,9 +18,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-BUILTIN_PREFIX = "builtin:"
-#: Bump when the generated builtin files change, so stale caches are rebuilt.
-BUILTIN_FORMAT = 1
+from .builtin import BUILTIN_PREFIX
 
 
 class SourceError(ValueError):
@@ -37,18 +35,11 @@ def source_kind(source: str) -> str:
     return "hf"
 
 
-def builtin_cache_dir() -> Path:
-    """Where builtin models are written once (``MLXFLEET_CACHE``, else XDG cache)."""
-    root = os.environ.get("MLXFLEET_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxfleet")
-    return Path(root) / "builtin"
-
-
 def resolve_source(source: str, revision: Optional[str] = None) -> Path:
     """Return a local directory holding the checkpoint for ``source`` (may download)."""
     kind = source_kind(source)
     if kind == "builtin":
-        from .worker.builtin import ensure_builtin
+        from .builtin import ensure_builtin
 
         return ensure_builtin(source[len(BUILTIN_PREFIX):])
     if kind == "path":
@@ -75,10 +66,9 @@ def local_dir(source: str, revision: Optional[str] = None) -> Optional[Path]:
     """The checkpoint directory if it is already on disk; never downloads or writes."""
     kind = source_kind(source)
     if kind == "builtin":
-        name = source[len(BUILTIN_PREFIX):]
-        if name == "demo":
-            return Path(__file__).resolve().parent / "models" / "demo"
-        d = builtin_cache_dir() / f"{name}-v{BUILTIN_FORMAT}"
+        from .builtin import builtin_dir
+
+        d = builtin_dir(source[len(BUILTIN_PREFIX):])
         return d if d.is_dir() else None
     if kind == "path":
         d = Path(os.path.expanduser(source))

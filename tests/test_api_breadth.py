@@ -252,7 +252,7 @@ def test_reasoning_goes_to_its_own_field(fleet, tiny_think_id):
 def tiny_think_id():
     from tokenizers import Tokenizer
 
-    from mlxfleet.worker.builtin import ensure_builtin
+    from mlxfleet.builtin import ensure_builtin
 
     return Tokenizer.from_file(str(ensure_builtin("tiny") / "tokenizer.json")).token_to_id(
         "<think>")

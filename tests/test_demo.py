@@ -7,7 +7,7 @@ import json
 import pytest
 from fleet import Fleet, manifest
 
-from mlxfleet.worker.builtin import demo_dir
+from mlxfleet.builtin import demo_dir
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mlxfleet.manifest import load_paths, parse_duration, parse_text
+from mlxfleet.manifest import load_paths, parse_text
 from mlxfleet.supervisor.apply import apply_text, delete_model
 from mlxfleet.supervisor.reconcile import Action, backoff_delay, failures_after_exit, plan
+from mlxfleet.units import parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 

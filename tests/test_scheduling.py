@@ -12,7 +12,8 @@ import psutil
 import pytest
 from fleet import Fleet, in_parallel, manifest, wait_for
 
-from mlxfleet.supervisor.scheduler import Candidate, parse_memory, plan_load
+from mlxfleet.supervisor.scheduler import Candidate, plan_load
+from mlxfleet.units import parse_memory
 
 MSG = [{"role": "user", "content": "hi"}]
 MB = 1 << 20

@@ -21,7 +21,7 @@ def client(worker):
 def tiny_tokenizer():
     from tokenizers import Tokenizer
 
-    from mlxfleet.worker.builtin import ensure_builtin
+    from mlxfleet.builtin import ensure_builtin
 
     return Tokenizer.from_file(str(ensure_builtin("tiny") / "tokenizer.json"))
 

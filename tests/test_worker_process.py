@@ -146,7 +146,7 @@ def test_streaming_detokenizer_never_splits_utf8(text):
     """Feed a real tokenizer's tokens one at a time: no chunk holds half a character."""
     from mlx_lm import load
 
-    from mlxfleet.worker.builtin import ensure_builtin
+    from mlxfleet.builtin import ensure_builtin
     from mlxfleet.worker.completions import ChoiceDecoder
     from mlxfleet.worker.engine import TokenEvent
 

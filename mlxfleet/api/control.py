@@ -10,8 +10,7 @@ from typing import Any
 from quart import Quart, request
 
 from .. import __version__
-from .http import streaming_response
-from .protocol import APIError
+from ..wire import APIError, streaming_response
 
 
 def _runtime(supervisor: Any, name: str):

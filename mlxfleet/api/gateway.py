@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 from quart import Quart, Response, g, request
 
-from .http import install_error_handlers, sse, streaming_response
-from .protocol import APIError, parse_json_body
+from ..wire import APIError, install_error_handlers, parse_json_body, sse, streaming_response
 
 log = logging.getLogger("mlxfleet.gateway")
 
@@ -123,7 +122,7 @@ def _available(supervisor: Any) -> list[str]:
 
 
 def _keep_alive(value: Any) -> float:
-    from ..manifest import parse_duration
+    from ..units import parse_duration
 
     try:
         return parse_duration(value)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from quart import Quart, g, request
 
-from .protocol import APIError
+from ..wire import APIError
 
 #: Routes anyone may call: liveness for load balancers; /metrics is opt-in and documented
 #: as unauthenticated (keep it behind a firewall or proxy).

@@ -14,25 +14,16 @@ import collections
 import logging
 import math
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
 from ..manifest import Manifest
+from ..units import iso, iso_opt
 from .process import WorkerProcess
 from .reconcile import backoff_delay, failures_after_exit
 from .scheduler import Candidate, expires_at
 
 log = logging.getLogger("mlxfleet.supervisor")
-
-
-def _iso(t: Optional[float] = None) -> str:
-    return datetime.fromtimestamp(time.time() if t is None else t, timezone.utc) \
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _iso_opt(t: Optional[float]) -> Optional[str]:
-    return None if t is None else _iso(t)
 
 
 class ModelRuntime:
@@ -232,7 +223,7 @@ class ModelRuntime:
     # ---- status ----------------------------------------------------------
 
     def event(self, type_: str, reason: str, message: str) -> None:
-        self.events.append({"time": _iso(), "type": type_, "reason": reason,
+        self.events.append({"time": iso(), "type": type_, "reason": reason,
                             "message": message})
         (log.warning if type_ == "Warning" else log.info)("%s: %s: %s", self.name, reason,
                                                            message)
@@ -246,7 +237,7 @@ class ModelRuntime:
         changed = cur is None or cur["status"] != st
         self.conditions[type_] = {
             "type": type_, "status": st, "reason": reason, "message": message,
-            "lastTransitionTime": _iso() if changed else cur["lastTransitionTime"]}
+            "lastTransitionTime": iso() if changed else cur["lastTransitionTime"]}
 
     def set_manifest_error(self, message: Optional[str]) -> None:
         self.manifest_error = message
@@ -271,13 +262,13 @@ class ModelRuntime:
             "memoryBytes": self._rss(), "lastError": self.last_error,
             "inflight": self.inflight, "waiting": self.waiters,
             "keepAlive": "forever" if math.isinf(ka) else ka,
-            "lastUsed": _iso_opt(self.last_used), "expiresAt": _iso_opt(exp),
+            "lastUsed": iso_opt(self.last_used), "expiresAt": iso_opt(exp),
             "pinned": spec.pinned, "priority": spec.priority, "preload": spec.preload,
             "memory": {"estimatedBytes": self.estimated_bytes(),
                        "measuredBytes": self.measured_bytes,
                        "weightBytes": self.weight_bytes, "cacheBytes": self.cache_bytes(),
                        "footprintBytes": footprint},
-            "createdAt": _iso(self.created),
+            "createdAt": iso(self.created),
             "ageSeconds": round(time.time() - self.created, 1),
             "conditions": list(self.conditions.values()),
             "events": list(self.events),

@@ -9,36 +9,10 @@ model (generating or loading) is never evicted: the load waits for it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
-          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-          "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-
-
-def parse_memory(value: str | int | float, total: int) -> int:
-    """``12GB``, ``512MiB``, a byte count, ``70%`` or a fraction ``0.7`` of ``total``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return int(total * value) if 0 < value <= 1 else int(value)
-    s = str(value).strip().lower().replace(" ", "")
-    if s.endswith("%"):
-        return int(total * float(s[:-1]) / 100)
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", s)
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"{value!r} is not a memory size (e.g. 12GB, 512MiB, 70%)")
-    n = float(m.group(1))
-    if not m.group(2) and 0 < n <= 1:
-        return int(total * n)
-    return int(n * _UNITS[m.group(2)])
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+from ..units import fmt_bytes
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ from typing import Optional
 
 from ..manifest import FileResult, LoadedManifest, ManifestError, load_paths
 from ..settings import ServerSettings
+from ..units import fmt_bytes
 from .reconcile import Action, plan
 from .runtime import ModelRuntime
-from .scheduler import fmt_bytes, plan_load
+from .scheduler import plan_load
 
 log = logging.getLogger("mlxfleet.supervisor")
 

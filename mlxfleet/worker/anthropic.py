@@ -15,10 +15,10 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from quart import Quart, request
 
-from ..api.http import streaming_response
-from ..api.protocol import APIError, ChatCompletionRequest, from_validation_error, parse_json_body
+from ..wire import APIError, from_validation_error, parse_json_body, streaming_response
 from .completions import chat_prompt
 from .parsers import call_id
+from .schemas import ChatCompletionRequest
 
 
 class _Block(BaseModel):
@@ -265,7 +265,7 @@ def _usage(call) -> dict[str, int]:
 
 
 def _stream_error(err: APIError) -> str:
-    from ..api.http import anthropic_body
+    from ..wire import anthropic_body
 
     body = anthropic_body(err)
     return f"event: error\ndata: {json.dumps(body)}\n\n"

@@ -11,15 +11,14 @@ from typing import Any, Optional
 from quart import Quart, request
 
 from .. import blas
-from ..api.http import install_error_handlers, sse, streaming_response
-from ..api.protocol import (
+from ..wire import (
     GATEWAY_FIELDS,
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
+    install_error_handlers,
     parse_json_body,
-    parse_request,
+    parse_model,
+    sse,
+    streaming_response,
 )
 from .completions import (
     ChoiceDecoder,
@@ -45,6 +44,7 @@ from .parsers import (
     json_calls,
     parse_calls,
 )
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("mlxfleet.worker")
 
@@ -221,7 +221,7 @@ def create_app(engine: Engine, name: str, defaults: Optional[ModelDefaults] = No
         try:
             if body is None:
                 body = parse_json_body(await request.get_data())
-            return prepare(parse_request(cls, body))
+            return prepare(parse_model(cls, body))
         finally:
             engine.announce(-1)
 

@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 from mlx_lm.generate import TextStateMachine
 
-from ..api.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from ..wire import APIError
 from .engine import SamplingParams, TokenEvent
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 @dataclass

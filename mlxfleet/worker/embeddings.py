@@ -211,8 +211,7 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
     from quart import Quart, request
 
     from .. import blas
-    from ..api.http import install_error_handlers
-    from ..api.protocol import APIError, parse_json_body, parse_request
+    from ..wire import APIError, install_error_handlers, parse_json_body, parse_model
 
     app = Quart("mlxfleet.embeddings")
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=32 << 20)
@@ -242,7 +241,7 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
 
     @app.post("/v1/embeddings")
     async def embeddings():
-        req = parse_request(EmbeddingRequest, parse_json_body(await request.get_data()))
+        req = parse_model(EmbeddingRequest, parse_json_body(await request.get_data()))
         if engine.state != "ready":
             raise APIError(503, f"Model '{name}' is not available: "
                            f"{engine.error or engine.state}", type="service_unavailable",

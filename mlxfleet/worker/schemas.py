@@ -1,86 +1,14 @@
-"""OpenAI request schemas and error shapes, shared by the worker and the gateway.
+"""OpenAI request schemas (chat and text completions), validated once in the worker.
 
-Validation happens here, once: a request that passes builds a generation; one
-that fails becomes a 400 in OpenAI's ``{"error": {...}}`` shape that names the
-offending field.
+A request that passes builds a generation; one that fails becomes a 400 in
+OpenAI's shape that names the offending field (``wire.from_validation_error``).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-
-class APIError(Exception):
-    """An error that becomes an OpenAI-shaped JSON response."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
-
-
-def error_type_for(status: int) -> str:
-    """OpenAI's error ``type`` for an HTTP status."""
-    return {400: "invalid_request_error", 401: "authentication_error",
-            403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable",
-            504: "timeout"}.get(status, "server_error" if status >= 500
-                                else "invalid_request_error")
-
-
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not isinstance(part, str) or part in ("str", "list[str]", "list[int]"):
-            continue
-        elif "[" in part or part.startswith(("function-", "tagged-union")):
-            continue  # pydantic's names for union members are noise to a client
-        else:
-            out += ("." if out else "") + part
-    return out
-
-
-def from_validation_error(err: ValidationError) -> APIError:
-    """Turn pydantic's error into a 400 naming the first bad field."""
-    first = err.errors()[0]
-    param = _loc(first["loc"]) or None
-    msg = first["msg"]
-    if first["type"] == "missing":
-        message = f"Missing required parameter: '{param}'."
-    elif first["type"] == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: '{param}'."
-    else:
-        message = f"Invalid value for '{param}': {msg}." if param else f"{msg}."
-    return APIError(400, message, param=param, code="invalid_value"
-                    if first["type"] != "missing" else "missing_required_parameter")
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body or raise a 400 that says what is wrong."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request: {e}. "
-                       "The body must be a JSON object.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object, not "
-                       f"{type(body).__name__}.", code="invalid_json")
-    return body
-
-
-#: Request fields the gateway acts on; workers accept and ignore them.
-GATEWAY_FIELDS = frozenset({"keep_alive"})
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Model(BaseModel):
@@ -224,11 +152,3 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
-
-
-def parse_request(model_cls: type[SamplingFields], body: dict[str, Any]) -> SamplingFields:
-    """Validate ``body`` as ``model_cls``; errors become 400s."""
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None

@@ -11,13 +11,12 @@ exactly like a downloaded model.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
-
-from ..sources import BUILTIN_FORMAT, builtin_cache_dir
 
 #: name -> Qwen3 shape. ``tiny`` is for tests, ``tiny-50m`` for benchmarks.
 BUILTIN_SIZES: dict[str, dict[str, int]] = {
@@ -28,6 +27,9 @@ BUILTIN_SIZES: dict[str, dict[str, int]] = {
     "tiny-50m": dict(hidden_size=512, num_hidden_layers=15, intermediate_size=1536,
                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }
+BUILTIN_PREFIX = "builtin:"
+#: Bump when the generated builtin files change, so stale caches are rebuilt.
+BUILTIN_FORMAT = 1
 DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
 BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO]
 CONTEXT_LENGTH = 2048
@@ -220,7 +222,19 @@ def write_builtin(name: str, out_dir: Path) -> Path:
 
 def demo_dir() -> Path:
     """The trained demo model shipped inside the package (see scripts/train_demo.py)."""
-    return Path(__file__).resolve().parent.parent / "models" / "demo"
+    return Path(__file__).resolve().parent / "models" / "demo"
+
+
+def builtin_cache_dir() -> Path:
+    """Where builtin models are written once (``MLXFLEET_CACHE``, else XDG cache)."""
+    root = os.environ.get("MLXFLEET_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxfleet")
+    return Path(root) / "builtin"
+
+
+def builtin_dir(name: str) -> Path:
+    """Where builtin model ``name`` lives once written (it may not exist yet)."""
+    return demo_dir() if name == DEMO else builtin_cache_dir() / f"{name}-v{BUILTIN_FORMAT}"
 
 
 def ensure_builtin(name: str) -> Path:
@@ -229,9 +243,9 @@ def ensure_builtin(name: str) -> Path:
     Written to a temporary sibling and renamed, so concurrent workers never see
     a half-written model.
     """
+    target = builtin_dir(name)
     if name == DEMO:
-        return demo_dir()  # shipped ready-made: nothing is trained at start
-    target = builtin_cache_dir() / f"{name}-v{BUILTIN_FORMAT}"
+        return target  # shipped ready-made: nothing is trained at start
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
