@@ -189,7 +189,7 @@ def main() -> None:
         p_w = free_port()
         procs.append(Proc([PY, "-m", "mlxfleet", "worker", "--source", args.model, "--name",
                            "bench", "--bind", f"127.0.0.1:{p_w}", "--max-concurrency",
-                           str(max_conc), "--max-tokens-limit", "4096", "--cache-mb", "2048"],
+                           str(max_conc), "--max-request-tokens", "4096", "--cache-mb", "2048"],
                           tmp / "worker.log"))
         # (d) through the gateway.
         man = tmp / "manifests"
@@ -209,7 +209,7 @@ def main() -> None:
             "apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: bench}\n"
             f"spec: {{source: {json.dumps(args.model)}, preload: true, keepAlive: forever,\n"
             f"  batching: {{maxConcurrency: {max_conc}}}, cache: {{memoryMB: 2048}},\n"
-            "  limits: {maxTokens: 4096}}\n")
+            "  limits: {maxRequestTokens: 4096}}\n")
         wait_http(urls["gateway"] + "/mlxfleet/v1/models/bench",
                   ok=lambda r: r.status_code == 200 and r.json()["ready"])
         results["cold_start_s"] = time.perf_counter() - t0

@@ -1,4 +1,9 @@
-"""The ``mlxfleet`` command line."""
+"""The ``mlxfleet`` command line.
+
+Over 400 lines on purpose: every subcommand's arguments and its few lines of
+printing sit together, so ``mlxfleet --help`` and the code read the same way;
+the work itself lives in the modules each command calls.
+"""
 
 from __future__ import annotations
 
@@ -19,98 +24,89 @@ def _default_name(source: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-") or "model"
 
 
+#: ``mlxfleet worker`` flags -> WorkerConfig fields (defaults live in WorkerConfig only).
+_WORKER_FLAGS: list[tuple[str, type, str]] = [
+    ("--revision", str, "Hugging Face revision (branch, tag or commit)"),
+    ("--max-concurrency", int, "sequences decoded together in one batch"),
+    ("--max-queue", int, "requests that may wait beyond max-concurrency before 503"),
+    ("--prefill-batch-size", int, "prompts prefilled in one pass"),
+    ("--prefill-step-size", int, "prompt tokens per prefill chunk"),
+    ("--max-tokens", int, "completion length when a request sets no max_tokens"),
+    ("--max-request-tokens", int, "the largest max_tokens a request may ask for (400 above)"),
+    ("--max-prompt-tokens", int, "the longest prompt in tokens (400 above)"),
+    ("--temperature", float, "default temperature"),
+    ("--top-p", float, "default top_p"),
+    ("--top-k", int, "default top_k (0 = off)"),
+    ("--stream-interval", int, "tokens per streamed chunk (requests may set stream_interval)"),
+    ("--tool-call-parser", str, "tool-call format: auto (from the chat template), hermes, "
+     "qwen, llama, mistral, deepseek, kimi, granite, nemotron, xlam, functionary, glm47, ..."),
+    ("--reasoning-parser", str, "qwen3 or deepseek_r1: split <think> reasoning from the answer"),
+    ("--drain-timeout", float, "seconds SIGTERM waits for in-flight requests"),
+]
+
+
 def _add_worker(sub) -> None:
+    from .worker.config import default
+
     p = sub.add_parser("worker", help="run one model worker in the foreground",
-                       description="Serve one MLX model over the OpenAI API.")
-    p.add_argument("--source", required=True,
-                   help="builtin:NAME, a local model directory, or a Hugging Face repo id")
+                       description="Serve one MLX model over the OpenAI API. Flags override "
+                       "--config; unset ones take the worker's defaults.")
+    p.add_argument("--config", help="the whole configuration as JSON (what the supervisor "
+                   "passes), or @FILE")
+    p.add_argument("--source", help="builtin:NAME, a local model directory, or a Hugging "
+                   "Face repo id")
     p.add_argument("--name", help="model name clients send as `model` (default: from source)")
     p.add_argument("--bind", default="127.0.0.1:8001",
                    help="unix:PATH or HOST:PORT (default 127.0.0.1:8001)")
-    p.add_argument("--revision", help="Hugging Face revision (branch, tag or commit)")
-    p.add_argument("--task", choices=["generate", "embedding"], default="generate",
+    p.add_argument("--task", choices=["generate", "embedding"], default=None,
                    help="embedding: serve /v1/embeddings with an encoder model")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--max-concurrency", type=int, default=16,
-                   help="sequences decoded together in one batch (default 16)")
-    p.add_argument("--max-queue", type=int, default=256,
-                   help="requests allowed to wait beyond max-concurrency before 503")
-    p.add_argument("--prefill-batch-size", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--trust-remote-code", action="store_true", default=None)
     p.add_argument("--cache-mb", type=int, default=None,
                    help="KV memory budget in MiB: running sequences plus retained prompt "
-                   "caches (default 1024)")
+                   f"caches (default {default('cache_bytes') >> 20})")
     p.add_argument("--cache-percent", type=float, default=None,
                    help="KV memory budget as a share (0-1) of physical memory")
-    p.add_argument("--max-tokens", type=int, default=512,
-                   help="default completion length when a request sets none")
-    p.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens a request may ask for (400 beyond)")
-    p.add_argument("--max-request-tokens", type=int, default=None,
-                   help="longest prompt, in tokens, a request may send (400 beyond)")
-    p.add_argument("--temperature", type=float, default=1.0, help="default temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="default top_p")
-    p.add_argument("--top-k", type=int, default=0, help="default top_k (0 = off)")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens per streamed chunk (requests may set stream_interval)")
-    p.add_argument("--tool-call-parser", default=None,
-                   help="tool-call format: auto (from the chat template), hermes, qwen, llama, "
-                   "mistral, deepseek, kimi, granite, nemotron, xlam, functionary, glm47, ...")
-    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                   help="split <think> reasoning from the answer")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests")
+    for flag, typ, text in _WORKER_FLAGS:
+        field = flag[2:].replace("-", "_")
+        d = default(field)
+        p.add_argument(flag, type=typ, default=None,
+                       help=text + (f" (default {d})" if d is not None else ""))
 
 
-def _cache_bytes(mb: Optional[int], percent: Optional[float]) -> int:
-    if percent is not None:
-        import psutil
+def worker_config_from_args(args):
+    """The WorkerConfig for ``mlxfleet worker``: --config, then the flags given."""
+    from .worker.config import WorkerConfig, cache_budget
 
-        return int(psutil.virtual_memory().total * percent)
-    return (mb if mb is not None else 1024) << 20
+    base: dict = {}
+    if args.config:
+        text = args.config
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        base = json.loads(text)
+    given = {f[2:].replace("-", "_") for f, _, _ in _WORKER_FLAGS} | {
+        "source", "name", "task", "trust_remote_code"}
+    base.update({k: getattr(args, k) for k in given if getattr(args, k) is not None})
+    if args.cache_mb is not None or args.cache_percent is not None:
+        base["cache_bytes"] = cache_budget(args.cache_mb, args.cache_percent)
+    if "source" in base and "name" not in base:
+        base["name"] = _default_name(base["source"])
+    return WorkerConfig(**base)
 
 
 def _run_worker(args) -> int:
+    from pydantic import ValidationError
+
     from .blas import preload_blas
-    from .worker.parsers import TOOL_PARSERS
 
-    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
-        print(f"error: unknown --tool-call-parser {args.tool_call_parser!r}; choose one of: "
-              + ", ".join(TOOL_PARSERS), file=sys.stderr)
+    try:
+        config = worker_config_from_args(args)
+    except (ValidationError, ValueError, OSError) as e:
+        print(f"error: invalid worker configuration: {e}", file=sys.stderr)
         return 2
-
     preload_blas()  # before anything imports mlx
-    from .worker.completions import ModelDefaults
-    from .worker.engine import EngineConfig
-    from .worker.server import WorkerOptions, run_worker
+    from .worker.server import run_worker
 
-    for flag in ("max_concurrency", "prefill_batch_size", "prefill_step_size", "max_tokens",
-                 "stream_interval"):
-        if getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
-    opts = WorkerOptions(
-        source=args.source,
-        name=args.name or _default_name(args.source),
-        bind=args.bind,
-        engine=EngineConfig(max_concurrency=args.max_concurrency,
-                            prefill_batch_size=args.prefill_batch_size,
-                            prefill_step_size=args.prefill_step_size,
-                            revision=args.revision,
-                            trust_remote_code=args.trust_remote_code,
-                            cache_bytes=_cache_bytes(args.cache_mb, args.cache_percent)),
-        defaults=ModelDefaults(max_tokens=args.max_tokens,
-                               max_tokens_limit=args.max_tokens_limit,
-                               max_request_tokens=args.max_request_tokens,
-                               temperature=args.temperature, top_p=args.top_p,
-                               top_k=args.top_k, stream_interval=args.stream_interval,
-                               tool_parser=args.tool_call_parser,
-                               reasoning_parser=args.reasoning_parser),
-        max_queue=args.max_queue,
-        drain_timeout=args.drain_timeout,
-        task=args.task,
-    )
-    return run_worker(opts)
+    return run_worker(config, args.bind)
 
 
 def _run_make_model(args) -> int:
@@ -147,8 +143,12 @@ def _add_server_commands(sub) -> None:
     p.add_argument("--max-body-mb", type=int, help="largest request body (32)")
     p.add_argument("--enable-metrics", action="store_true", default=None,
                    help="serve Prometheus /metrics (unauthenticated)")
-    p.add_argument("--max-tokens", type=int, help="max_tokens cap for models setting none")
-    p.add_argument("--max-request-tokens", type=int, help="prompt cap for models setting none")
+    p.add_argument("--max-tokens", type=int, help="completion length when a request sets "
+                   "no max_tokens, for models whose manifest sets none")
+    p.add_argument("--max-request-tokens", type=int, help="the largest max_tokens a request "
+                   "may ask for, for models whose manifest sets none")
+    p.add_argument("--max-prompt-tokens", type=int, help="the longest prompt in tokens, for "
+                   "models whose manifest sets none")
     p.add_argument("--default-temperature", type=float)
     p.add_argument("--default-top-p", type=float)
     p.add_argument("--stream-interval", type=int, help="tokens per streamed chunk")
@@ -214,6 +214,7 @@ def _run_serve(args) -> int:
             insecure=args.insecure, rate_limit=args.rate_limit, timeout=args.timeout,
             max_body_mb=args.max_body_mb, enable_metrics=args.enable_metrics,
             max_tokens=args.max_tokens, max_request_tokens=args.max_request_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
             default_temperature=args.default_temperature, default_top_p=args.default_top_p,
             stream_interval=args.stream_interval, log_json=args.log_json)
     except (ValidationError, FileNotFoundError, ValueError) as e:

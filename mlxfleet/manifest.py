@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from .units import parse_duration
+from .worker.config import default as _d
 
 API_VERSION = "mlxfleet/v1"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -60,32 +61,73 @@ class CacheSpec(_Spec):
 
 
 class BatchingSpec(_Spec):
-    max_concurrency: int = Field(default=16, ge=1, le=1024)
-    max_queue: int = Field(default=64, ge=0)
-    prefill_batch_size: int = Field(default=8, ge=1)
-    prefill_step_size: int = Field(default=512, ge=16)
+    """Continuous batching in the worker. Unset fields take the worker's defaults."""
+
+    max_concurrency: Optional[int] = Field(
+        default=None, ge=1, le=1024,
+        description=f"sequences decoded together (default {_d('max_concurrency')})")
+    max_queue: Optional[int] = Field(
+        default=None, ge=0, description="requests that may wait for the model (for its load, "
+        f"or for a batch slot beyond maxConcurrency) before 503 (default {_d('max_queue')})")
+    prefill_batch_size: Optional[int] = Field(
+        default=None, ge=1, description=f"prompts per prefill (default "
+        f"{_d('prefill_batch_size')})")
+    prefill_step_size: Optional[int] = Field(
+        default=None, ge=16, description=f"prompt tokens per prefill chunk (default "
+        f"{_d('prefill_step_size')})")
 
 
 class LimitsSpec(_Spec):
-    max_tokens: Optional[int] = Field(default=None, ge=1,
-                                      description="largest max_tokens a request may ask for")
-    max_request_tokens: Optional[int] = Field(default=None, ge=1,
-                                              description="largest prompt, in tokens")
+    max_request_tokens: Optional[int] = Field(
+        default=None, ge=1, description="the largest max_tokens a request may ask for (400 "
+        "above; server setting max_request_tokens, else the context)")
+    max_prompt_tokens: Optional[int] = Field(
+        default=None, ge=1, description="the longest prompt, in tokens (400 above; server "
+        "setting max_prompt_tokens, else the context)")
     timeout: Optional[Duration] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "maxTokens" in data:
+            raise ValueError("limits.maxTokens was renamed limits.maxRequestTokens (the "
+                             "largest max_tokens a request may ask for); the prompt-length "
+                             "cap is limits.maxPromptTokens")
+        return data
 
 
 class DefaultsSpec(_Spec):
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0)
-    max_tokens: Optional[int] = Field(default=None, ge=1)
+    """Sampling defaults when a request sets none (server settings, else the worker's)."""
+
+    temperature: Optional[float] = Field(default=None, ge=0, le=2,
+                                         description=f"default {_d('temperature')}")
+    top_p: Optional[float] = Field(default=None, gt=0, le=1,
+                                   description=f"default {_d('top_p')}")
+    top_k: Optional[int] = Field(default=None, ge=0, description="default off (0)")
+    max_tokens: Optional[int] = Field(
+        default=None, ge=1, description="completion length when a request sets no max_tokens "
+        f"(default {_d('max_tokens')}, clipped to the context)")
     stream_interval: Optional[int] = Field(default=None, ge=1,
-                                           description="tokens per streamed chunk")
+                                           description="tokens per streamed chunk (default 1)")
 
 
 class ParsersSpec(_Spec):
-    tool_call: Optional[str] = None
-    reasoning: Optional[str] = None
+    tool_call: Optional[str] = Field(default=None, description="tool-call format; unset or "
+                                     "auto: from the chat template")
+    reasoning: Optional[str] = Field(default=None, description="qwen3 or deepseek_r1: split "
+                                     "<think> reasoning from the answer")
+
+    @model_validator(mode="after")
+    def _known(self):
+        from .worker.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+        if self.tool_call is not None and self.tool_call not in TOOL_PARSERS:
+            raise ValueError(f"unknown toolCall parser {self.tool_call!r}; choose one of: "
+                             + ", ".join(TOOL_PARSERS))
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning!r}; choose one of: "
+                             + ", ".join(REASONING_PARSERS))
+        return self
 
 
 class ModelSpec(_Spec):

@@ -63,9 +63,14 @@ class ServerSettings(BaseSettings):
     max_body_mb: int = Field(32, gt=0, description="largest request body")
     enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")
     log_json: bool = Field(False, description="JSON log lines")
-    max_tokens: Optional[int] = Field(None, ge=1, description="default max_tokens cap for "
-                                      "models whose manifest sets none")
-    max_request_tokens: Optional[int] = Field(None, ge=1)
+    # Per-model defaults for manifests that set none (unset: the worker's own defaults).
+    max_tokens: Optional[int] = Field(None, ge=1, description="completion length when a "
+                                      "request sets no max_tokens (spec.defaults.maxTokens)")
+    max_request_tokens: Optional[int] = Field(None, ge=1, description="the largest max_tokens "
+                                              "a request may ask for "
+                                              "(spec.limits.maxRequestTokens)")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="the longest prompt in "
+                                             "tokens (spec.limits.maxPromptTokens)")
     default_temperature: Optional[float] = Field(None, ge=0, le=2)
     default_top_p: Optional[float] = Field(None, gt=0, le=1)
     stream_interval: Optional[int] = Field(None, ge=1)

@@ -104,5 +104,5 @@ def start_worker(tmp_path_factory):
 @pytest.fixture(scope="session")
 def worker(start_worker) -> WorkerProc:
     """The shared worker most tests talk to: builtin:tiny, 16 concurrent sequences."""
-    return start_worker("--max-concurrency", "16", "--max-tokens-limit", "1500",
+    return start_worker("--max-concurrency", "16", "--max-request-tokens", "1500",
                         "--temperature", "0.7")

@@ -140,6 +140,31 @@ def test_anthropic_count_tokens(claude):
     assert 5 < base.input_tokens < more.input_tokens
 
 
+def test_anthropic_system_blocks_are_separate_paragraphs(claude):
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def count(system) -> int:
+        return claude.messages.count_tokens(model="demo", system=system,
+                                            messages=msgs).input_tokens
+
+    blocks = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]
+    assert count(blocks) == count("Be brief.\n\nBe kind.") != count("Be brief.Be kind.")
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "demo", "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": 5, "input": {}}]}]},
+    {"model": "demo", "messages": []},
+    {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
+    {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+])
+def test_count_tokens_errors_are_400_in_anthropics_shape(fleet, body):
+    r = httpx.post(fleet.url + "/v1/messages/count_tokens", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+
+
 def test_anthropic_errors_use_anthropics_shape(fleet, claude):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="nope", max_tokens=5,

@@ -12,7 +12,8 @@ import pytest
 
 from mlxfleet.manifest import load_paths, parse_text
 from mlxfleet.supervisor.apply import apply_text, delete_model
-from mlxfleet.supervisor.reconcile import Action, backoff_delay, failures_after_exit, plan
+from mlxfleet.supervisor.lifecycle import backoff_delay, failures_after_exit
+from mlxfleet.supervisor.reconcile import Action, plan
 from mlxfleet.units import parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ spec:
   preload: true
   cache: {memoryMB: 2048}
   batching: {maxConcurrency: 16, maxQueue: 64}
-  limits: {maxTokens: 4096, maxRequestTokens: 32768, timeout: 300s}
+  limits: {maxRequestTokens: 4096, maxPromptTokens: 32768, timeout: 300s}
   defaults: {temperature: 0.7, topP: 0.9}
   parsers: {toolCall: hermes, reasoning: qwen3}
   env: {}
@@ -187,3 +188,37 @@ def test_settings_flags_override_env_override_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXFLEET_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(FileNotFoundError):
         load_settings()
+
+
+def test_worker_config_takes_spec_then_server_defaults_then_its_own():
+    from mlxfleet.manifest import Manifest
+    from mlxfleet.settings import ServerSettings
+    from mlxfleet.supervisor.worker_config import worker_config
+    from mlxfleet.worker.config import WorkerConfig
+
+    server = ServerSettings(default_cache_mb=256, max_request_tokens=300, max_tokens=40,
+                            default_temperature=0.2)
+    bare = Manifest.model_validate({"apiVersion": "mlxfleet/v1", "kind": "Model",
+                                    "metadata": {"name": "m"}, "spec": {"source": "x/y"}})
+    c = worker_config(bare, server)
+    assert c.cache_bytes == 256 << 20  # the server's default budget reaches the worker
+    assert (c.max_request_tokens, c.max_tokens, c.temperature) == (300, 40, 0.2)
+    assert c.max_queue == WorkerConfig.model_fields["max_queue"].default  # one default
+    own = bare.model_copy(update={"spec": bare.spec.model_copy(update={
+        "cache": bare.spec.cache.model_copy(update={"memory_mb": 64}),
+        "limits": bare.spec.limits.model_copy(update={"max_request_tokens": 99})})})
+    c = worker_config(own, server)
+    assert c.cache_bytes == 64 << 20 and c.max_request_tokens == 99
+    # The worker's own command line builds the same object.
+    r = _cli("worker", "--source", "builtin:tiny", "--max-queue", "-1")
+    assert r.returncode == 2 and "max_queue" in r.stderr
+
+
+def test_renamed_limit_says_where_it_went():
+    r = parse_text(doc(limits={"maxTokens": 4096}), "m.yaml")
+    assert r.errors and "limits.maxRequestTokens" in str(r.errors[0])
+
+
+def test_unknown_parser_is_a_manifest_error():
+    r = parse_text(doc(parsers={"toolCall": "nope"}), "m.yaml")
+    assert r.errors and "unknown toolCall parser 'nope'" in str(r.errors[0])

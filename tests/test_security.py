@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -22,7 +23,8 @@ CHAT = {"model": "tiny", "messages": MSG, "max_tokens": 2}
 def secured(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("sec"), env={"MLXFLEET_API_KEY": "k1, k2",
                                                    "MLXFLEET_ENABLE_METRICS": "1",
-                                                   "MLXFLEET_MAX_BODY_MB": "1"})
+                                                   "MLXFLEET_MAX_BODY_MB": "1",
+                                                   "MLXFLEET_DEFAULT_CACHE_MB": "256"})
     f.write("tiny.yaml", manifest("tiny"))
     f.write("slow.yaml", manifest("slow", source="builtin:tiny-10m",
                                   limits={"timeout": "2s"}))
@@ -103,6 +105,16 @@ def test_timed_out_stream_ends_cleanly_and_frees_the_slot(secured):
     r = httpx.post(secured.url + "/v1/chat/completions", headers=h, timeout=60,
                    json={"model": "slow", "messages": MSG, "max_tokens": 1900})
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    # On the Anthropic route the in-band error is Anthropic's error event.
+    with httpx.stream("POST", secured.url + "/v1/messages", headers=h, timeout=60,
+                      json={"model": "slow", "messages": MSG, "max_tokens": 1900,
+                            "stream": True}) as r:
+        text = "".join(r.iter_text())
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and "[DONE]" not in text
+    err = json.loads(last.split("data: ", 1)[1])
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert "timed out" in err["error"]["message"]
 
 
 def test_status_shows_a_running_request_in_its_phase(secured):
@@ -135,26 +147,28 @@ def test_status_shows_a_running_request_in_its_phase(secured):
     assert "request trace-me-42:" in logs
 
 
-def test_metrics_parse_and_move(secured):
+def scrape(fleet: Fleet) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    def scrape() -> dict:
-        text = httpx.get(secured.url + "/metrics").text  # opt-in, unauthenticated
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+    text = httpx.get(fleet.url + "/metrics").text  # opt-in, unauthenticated
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
 
-    def value(m, name, **labels):
-        return sum(v for (n, lb), v in m.items()
-                   if n == name and all(dict(lb).get(k) == x for k, x in labels.items()))
 
-    before = scrape()
+def value(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, lb), v in m.items()
+               if n == name and all(dict(lb).get(k) == x for k, x in labels.items()))
+
+
+def test_metrics_parse_and_move(secured):
+    before = scrape(secured)
     for _ in range(3):
         assert httpx.post(secured.url + "/v1/chat/completions", json=CHAT,
                           headers=auth()).status_code == 200
-    after = scrape()
+    after = scrape(secured)
     req = "mlxfleet_requests_total"
     assert value(after, req, model="tiny", status="200") - \
         value(before, req, model="tiny", status="200") == 3
@@ -162,6 +176,25 @@ def test_metrics_parse_and_move(secured):
     assert value(after, toks, model="tiny") - value(before, toks, model="tiny") >= 6
     assert value(after, "mlxfleet_model_loaded", model="tiny") == 1
     assert value(after, "mlxfleet_request_duration_seconds_count", model="tiny") >= 3
+
+
+def test_a_client_that_hangs_up_counts_as_499_and_leaves_no_request_in_flight(secured):
+    before = scrape(secured)
+    for _ in range(3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=0.2,
+                       json={**CHAT, "max_tokens": 1500, "ignore_eos": True})
+    assert wait_for(lambda: value(scrape(secured), "mlxfleet_inflight_requests") == 0, 20)
+    after = scrape(secured)
+    req = "mlxfleet_requests_total"
+    assert value(after, req, model="tiny", status="499") - \
+        value(before, req, model="tiny", status="499") == 3
+    assert "client disconnected (499)" in secured.logs()
+
+
+def test_the_server_default_cache_budget_reaches_the_worker(secured):
+    s = httpx.get(secured.url + "/v1/status", headers=auth()).json()["models"]["tiny"]
+    assert s["prompt_cache"]["budget_bytes"] == 256 << 20
 
 
 def test_rate_limit_gives_429_with_retry_after(tmp_path):

@@ -155,6 +155,33 @@ def test_logit_bias_forces_a_token(client, tiny_tokenizer):
         assert r.choices[0].text == tiny_tokenizer.decode([tid])
 
 
+def test_special_tokens_are_hidden_unless_asked_for(worker, client, tiny_tokenizer):
+    start = tiny_tokenizer.token_to_id("<|im_start|>")
+    kw = dict(model="tiny", messages=MSGS, max_tokens=3, temperature=0,
+              logit_bias={str(start): 100})
+    hidden = client.chat.completions.create(**kw)
+    assert "<|im_start|>" not in (hidden.choices[0].message.content or "")
+    assert hidden.usage.completion_tokens == 3  # generated, just not shown
+    text, _, _ = _stream_chat(client, **kw)
+    assert "<|im_start|>" not in text
+    shown = client.chat.completions.create(extra_body={"skip_special_tokens": False}, **kw)
+    assert shown.choices[0].message.content == "<|im_start|>" * 3
+
+
+def test_chat_message_has_openais_required_refusal_field(worker):
+    with worker.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS,
+                                                 "max_tokens": 2})
+    msg = r.json()["choices"][0]["message"]
+    assert "refusal" in msg and msg["refusal"] is None
+
+
+def test_embeddings_on_a_chat_model_say_so(worker, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="tiny", input="hello")
+    assert e.value.status_code == 400 and "not an embedding model" in str(e.value)
+
+
 async def test_16_concurrent_streams_are_batched_with_exact_counts(worker, aclient):
     before = worker.status()
 

@@ -147,14 +147,13 @@ def test_streaming_detokenizer_never_splits_utf8(text):
     from mlx_lm import load
 
     from mlxfleet.builtin import ensure_builtin
-    from mlxfleet.worker.completions import ChoiceDecoder
-    from mlxfleet.worker.engine import TokenEvent
+    from mlxfleet.worker.decode import SequenceDecoder, special_token_ids
 
     _, tok = load(str(ensure_builtin("tiny")))
     ids = tok.encode(text)
     assert len(ids) > 1
-    dec = ChoiceDecoder(tok, [])
-    chunks = [dec.feed(TokenEvent(0, t, "length" if i == len(ids) - 1 else None))
+    dec = SequenceDecoder(tok, [], special_token_ids(tok))
+    chunks = [dec.feed(t, "length" if i == len(ids) - 1 else None)
               for i, t in enumerate(ids)]
     assert "".join(chunks) == text
     assert not any("\ufffd" in c for c in chunks)
@@ -182,3 +181,22 @@ def test_fast_blas_gives_the_same_greedy_tokens(start_worker, monkeypatch):
     for a, b in zip(off, auto):
         assert a["text"] == b["text"]
         assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+
+
+def test_stop_strings_end_the_sequence_where_the_tokens_are_made():
+    """The engine-side decoder cuts a stop string that spans tokens and says which one."""
+    from mlx_lm import load
+
+    from mlxfleet.builtin import ensure_builtin
+    from mlxfleet.worker.decode import SequenceDecoder, special_token_ids
+
+    _, tok = load(str(ensure_builtin("tiny")))
+    ids = tok.encode("the cat sat on the mat and more")
+    dec = SequenceDecoder(tok, ["on the", "zebra"], special_token_ids(tok))
+    out = ""
+    for t in ids:
+        out += dec.feed(t, None)
+        if dec.finish_reason:
+            break
+    assert out == "the cat sat " and dec.finish_reason == "stop"
+    assert dec.stop_sequence == "on the"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +59,8 @@ def register_control(app: Quart, supervisor: Any) -> None:
 
     @app.post(f"{base}/models/<name>/load")
     async def load(name: str):
-        from ..supervisor.supervisor import LoadRefused
-
         rt = _runtime(supervisor, name)
-        try:
-            await supervisor.ensure_loaded(rt)
-            await rt.wait_ready(supervisor.settings.startup_timeout)
-        except LoadRefused as e:
-            raise APIError(503, str(e), type="service_unavailable", code=e.code) from None
-        except RuntimeError as e:
-            raise APIError(503, f"Model '{rt.name}' failed to load: {e}",
-                           type="service_unavailable", code="model_load_failed") from None
-        except (asyncio.TimeoutError, TimeoutError):
-            raise APIError(503, f"Model '{rt.name}' is still loading.",
-                           type="service_unavailable", code="model_loading") from None
+        await supervisor.ready(rt, time.monotonic() + supervisor.settings.startup_timeout)
         return rt.status()
 
     @app.post(f"{base}/models/<name>/unload")
@@ -92,7 +81,7 @@ def register_control(app: Quart, supervisor: Any) -> None:
         except ValueError:
             raise APIError(400, "tail must be an integer", param="tail") from None
         follow = request.args.get("follow", "").lower() in ("1", "true", "yes")
-        path = rt.log_path
+        path = supervisor.log_path(rt.name)
         head = "".join(ln + "\n" for ln in tail_lines(path, max(n, 0)))
         if not follow:
             return head, 200, {"Content-Type": "text/plain; charset=utf-8"}

@@ -1,8 +1,10 @@
-"""The gateway: one public port, routing OpenAI requests to workers by ``model``.
+"""The gateway: one public port, routing requests to workers by ``model``.
 
-It runs in the supervisor's process and event loop, asks the supervisor which
-worker serves a name or alias, and forwards the request over that worker's
-Unix socket, streaming the answer back chunk by chunk.
+It runs in the supervisor's process and event loop. For every model route:
+read ``model`` -> ``supervisor.acquire`` (a lease on a ready worker, loading it
+on demand) -> forward over the worker interface -> relay the answer, streaming
+chunk by chunk. Errors leave in the protocol's own shape (``wire``), including
+in-band once a stream has started.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from typing import Any
 import httpx
 from quart import Quart, Response, g, request
 
-from ..wire import APIError, install_error_handlers, parse_json_body, sse, streaming_response
+from ..supervisor.admission import AdmissionError, Lease, timeout_error
+from ..units import parse_duration
+from ..wire import (
+    APIError,
+    install_error_handlers,
+    parse_json_body,
+    stream_error,
+    streaming_response,
+)
+from .metrics import Metrics, tag_model
 
 log = logging.getLogger("mlxfleet.gateway")
 
@@ -29,7 +40,6 @@ def create_gateway(supervisor: Any) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
     from .guard import install_guard
-    from .metrics import Metrics
 
     settings = supervisor.settings
     app = Quart("mlxfleet.gateway")
@@ -58,7 +68,7 @@ def create_gateway(supervisor: Any) -> Quart:
         for n in supervisor.names():
             rt = supervisor.models[n]
             data.append({"id": n, "object": "model", "created": int(rt.created or started),
-                         "owned_by": "mlxfleet", "state": rt.phase, "ready": rt.ready,
+                         "owned_by": "mlxfleet", "state": rt.phase.value, "ready": rt.ready,
                          "aliases": list(rt.manifest.spec.aliases)})
         return {"object": "list", "data": data}
 
@@ -69,45 +79,42 @@ def create_gateway(supervisor: Any) -> Quart:
         if not isinstance(model, str) or not model:
             raise APIError(400, "You must provide a model parameter.", param="model",
                            code="missing_required_parameter")
-        rt = supervisor.resolve(model)
-        if rt is None:
-            raise APIError(404, f"The model '{model}' does not exist. Available models: "
-                           f"{', '.join(_available(supervisor)) or 'none'}.",
-                           param="model", code="model_not_found")
-        if "keep_alive" in body:
-            rt.keep_alive_override = _keep_alive(body["keep_alive"])
+        keep_alive = _keep_alive(body["keep_alive"]) if "keep_alive" in body else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["X-Request-Id"] = g.request_id
-        g.model = rt.name
-        timeout = rt.manifest.spec.limits.timeout or settings.timeout
+        rt = supervisor.resolve(model)
+        timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
         deadline = time.monotonic() + timeout
         target = (request.method, request.path, raw, headers)
-        if not rt.ready and body.get("stream") is True:
+        acquire = supervisor.acquire(model, deadline, keep_alive)
+        if rt is not None and not rt.ready and body.get("stream") is True:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
-            _check_queue(rt)
+            tag_model(rt.name)
             return streaming_response(metrics.observe_stream(
-                _stream_after_load(supervisor, rt, target, deadline), rt.name))
+                _stream_after_load(acquire, target, timeout, supervisor.settings), rt.name))
+        lease = await acquire
+        tag_model(lease.name)
         try:
-            await asyncio.wait_for(_until_ready(supervisor, rt), _left(deadline))
-        except asyncio.TimeoutError:
-            raise _timeout_error(rt, timeout) from None
-        upstream, worker = await _send(supervisor, rt, target)
+            upstream = await lease.send(*target)
+        except BaseException:
+            lease.release()
+            raise
         ctype = upstream.headers.get("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
                 content = await asyncio.wait_for(upstream.aread(), _left(deadline))
             except asyncio.TimeoutError:
-                raise _timeout_error(rt, timeout) from None
+                raise timeout_error(lease.name, timeout) from None
             except httpx.TransportError as e:
-                raise APIError(502, f"The worker for model '{rt.name}' failed mid-request: "
+                raise APIError(502, f"The worker for model '{lease.name}' failed mid-request: "
                                f"{e}", type="server_error", code="worker_failed") from None
             finally:
                 await upstream.aclose()  # on timeout this aborts the generation in the worker
-                rt.end(worker)
+                lease.release()
             return Response(content, status=upstream.status_code, content_type=ctype)
         return streaming_response(
-            metrics.observe_stream(_relay(rt, upstream, worker, deadline), rt.name),
+            metrics.observe_stream(_relay(lease, upstream, request.path), lease.name),
             status=upstream.status_code, content_type=ctype)
 
     for route in MODEL_ROUTES:
@@ -117,13 +124,7 @@ def create_gateway(supervisor: Any) -> Quart:
     return app
 
 
-def _available(supervisor: Any) -> list[str]:
-    return supervisor.names() + sorted(supervisor.aliases)
-
-
 def _keep_alive(value: Any) -> float:
-    from ..units import parse_duration
-
     try:
         return parse_duration(value)
     except ValueError as e:
@@ -131,118 +132,51 @@ def _keep_alive(value: Any) -> float:
                        code="invalid_value") from None
 
 
-def _check_queue(rt: Any) -> None:
-    limit = rt.manifest.spec.batching.max_queue
-    if rt.waiters >= limit:
-        raise APIError(503, f"Model '{rt.name}' has {rt.waiters} requests waiting for it to "
-                       f"load (maxQueue {limit}); retry shortly.", type="service_unavailable",
-                       code="queue_full", headers={"Retry-After": "2"})
-
-
-async def _until_ready(supervisor: Any, rt: Any) -> None:
-    """Load the model if needed (one load, shared by every waiter) and wait for it."""
-    from ..supervisor.supervisor import LoadRefused
-
-    if rt.ready and rt.want_loaded:
-        return
-    if rt.phase == "CrashLoopBackOff":
-        retry = max(1, int((rt.backoff_until or time.monotonic()) - time.monotonic()) + 1)
-        raise APIError(503, f"Model '{rt.name}' is not available: {rt.last_error}. "
-                       f"Restarting in about {retry}s.", type="service_unavailable",
-                       code="model_unavailable", headers={"Retry-After": str(retry)})
-    _check_queue(rt)
-    timeout = supervisor.settings.request_wait_timeout
-    rt.waiters += 1
-    try:
-        deadline = time.monotonic() + timeout
-        while not (rt.ready and rt.want_loaded):
-            await supervisor.ensure_loaded(rt)
-            await rt.wait_ready(max(0.1, deadline - time.monotonic()))
-    except LoadRefused as e:
-        raise APIError(503, str(e), type="service_unavailable", code=e.code,
-                       headers={"Retry-After": str(max(1, round(e.retry_after)))}) from None
-    except RuntimeError as e:  # the load failed: every waiter hears why
-        raise APIError(503, f"Model '{rt.name}' failed to load: {e}",
-                       type="service_unavailable", code="model_load_failed",
-                       headers={"Retry-After": str(max(1, round(rt.retry_after())))}) from None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise APIError(503, f"Model '{rt.name}' did not become ready in {timeout:.0f}s"
-                       + (f": {rt.last_error}" if rt.last_error else "."),
-                       type="service_unavailable", code="model_unavailable",
-                       headers={"Retry-After": "5"}) from None
-    finally:
-        rt.waiters -= 1
-
-
-async def _send(supervisor: Any, rt: Any, target: tuple):
-    """Forward (method, path, body, headers) to the model's worker; (response, worker)."""
-    method, path, raw, headers = target
-    for attempt in range(2):
-        worker = rt.begin()
-        try:
-            upstream = await worker.forward(method, path, raw, headers)
-            return upstream, worker
-        except httpx.TransportError as e:
-            rt.end(worker)
-            # Nothing reached the worker (it just crashed or is stopping):
-            # wait for the model to come back once, then give up cleanly.
-            if attempt == 1 or not isinstance(e, httpx.ConnectError):
-                raise APIError(502, f"The worker for model '{rt.name}' failed: {e}",
-                               type="server_error", code="worker_unavailable") from None
-            await asyncio.sleep(0.2)
-            await _until_ready(supervisor, rt)
-        except BaseException:
-            rt.end(worker)
-            raise
-    raise AssertionError("unreachable")
-
-
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-def _timeout_error(rt: Any, timeout: float = 0) -> APIError:
-    after = f" after {timeout:g}s" if timeout else ""
-    return APIError(504, f"The request to model '{rt.name}' timed out{after}.",
-                    type="timeout", code="timeout")
-
-
-async def _relay(rt: Any, upstream: httpx.Response, worker: Any, deadline: float):
+async def _relay(lease: Lease, upstream: httpx.Response, path: str):
+    """The worker's stream, chunk by chunk, until the request's deadline."""
     chunks = upstream.aiter_raw()
     try:
         while True:
             try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), _left(deadline))
+                chunk = await asyncio.wait_for(chunks.__anext__(), _left(lease.deadline))
             except StopAsyncIteration:
                 break
             yield chunk
     except asyncio.TimeoutError:
-        err = _timeout_error(rt)
-        log.warning("%s: %s", rt.name, err.message)
-        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
+        err = timeout_error(lease.name)
+        log.warning("%s: %s", lease.name, err.message)
+        yield stream_error(err, path).encode()
     except httpx.TransportError as e:
-        log.warning("%s: stream broke: %s", rt.name, e)
-        err = APIError(502, f"The worker for model '{rt.name}' failed mid-stream.",
+        log.warning("%s: stream broke: %s", lease.name, e)
+        err = APIError(502, f"The worker for model '{lease.name}' failed mid-stream.",
                        type="server_error", code="worker_failed")
-        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
+        yield stream_error(err, path).encode()
     finally:
         await upstream.aclose()
-        rt.end(worker)
+        lease.release()
 
 
-async def _stream_after_load(supervisor: Any, rt: Any, target: tuple, deadline: float):
-    load = asyncio.ensure_future(_until_ready(supervisor, rt))
+async def _stream_after_load(acquire: Any, target: tuple, timeout: float, settings: Any):
+    """A stream whose model is not loaded yet: keep-alive comments, then the answer."""
+    path = target[1]
+    load = asyncio.ensure_future(acquire)
+    lease = None
     try:
         while True:
-            done, _ = await asyncio.wait({load},
-                                         timeout=supervisor.settings.sse_keepalive_interval)
+            done, _ = await asyncio.wait({load}, timeout=settings.sse_keepalive_interval)
             if done:
                 break
-            yield f": loading model {rt.name}\n\n".encode()
-        load.result()
-        upstream, worker = await _send(supervisor, rt, target)
-    except APIError as err:
-        yield sse(err.body()).encode() + b"data: [DONE]\n\n"
+            yield f": loading model {acquire.model}\n\n".encode()
+        lease = load.result()
+        upstream = await lease.send(*target)
+    except AdmissionError as err:
+        if lease is not None:
+            lease.release()
+        yield stream_error(err, path).encode()
         return
     finally:
         if not load.done():
@@ -250,8 +184,21 @@ async def _stream_after_load(supervisor: Any, rt: Any, target: tuple, deadline: 
     if upstream.status_code != 200:  # e.g. a 400 from the worker: report it in-band
         body = await upstream.aread()
         await upstream.aclose()
-        rt.end(worker)
-        yield b"data: " + body.strip() + b"\n\ndata: [DONE]\n\n"
+        lease.release()
+        yield _in_band(body, upstream.status_code, path).encode()
         return
-    async for chunk in _relay(rt, upstream, worker, deadline):
+    async for chunk in _relay(lease, upstream, path):
         yield chunk
+
+
+def _in_band(body: bytes, status: int, path: str) -> str:
+    """A worker's error response, re-sent as the last event of a started stream."""
+    import json
+
+    try:
+        err = json.loads(body)["error"]
+        message = err["message"] if isinstance(err, dict) else str(err)
+        code = err.get("code") if isinstance(err, dict) else None
+    except (ValueError, KeyError, TypeError):
+        message, code = body.decode(errors="replace"), None
+    return stream_error(APIError(status, message, code=code), path)

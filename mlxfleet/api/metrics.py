@@ -9,6 +9,7 @@ counters, which Prometheus handles.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 from quart import Quart, Response, g, request
 
 from .guard import OPEN_ROUTES
+
+log = logging.getLogger("mlxfleet.gateway")
+_SCOPE_KEY = "mlxfleet.request"
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -44,22 +48,43 @@ class Metrics:
         r.register(_ModelCollector(self))
 
     def install(self, app: Quart, enabled: bool) -> None:
-        @app.before_request
-        async def _start():
-            if request.path not in OPEN_ROUTES:
-                self.inflight.inc()
-                g.counted = True
+        inner = app.asgi_app
+
+        async def counted(scope, receive, send):
+            """Counts every request from its first byte to its last, however it ends: a
+            client that hangs up before the answer is complete counts as 499."""
+            if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
+                return await inner(scope, receive, send)
+            state: dict[str, Any] = {"status": None, "done": False}
+            scope[_SCOPE_KEY] = state
+
+            async def watch(message):
+                if message["type"] == "http.response.start":
+                    state["status"] = message["status"]
+                elif message["type"] == "http.response.body" and not message.get("more_body"):
+                    state["done"] = True
+                await send(message)
+
+            self.inflight.inc()
+            try:
+                await inner(scope, receive, watch)
+            finally:
+                self.inflight.dec()
+                status = state["status"] if state["done"] else 499
+                model = state.get("model", "")
+                if status == 499:
+                    log.info("%s %s%s: client disconnected (499)", scope["method"],
+                             scope["path"], f" (model {model})" if model else "")
+                self.requests.labels(model, scope["path"], str(status)).inc()
+
+        app.asgi_app = counted
 
         @app.after_request
         async def _done(response: Response):
-            if getattr(g, "counted", False):
-                self.inflight.dec()
-                model = getattr(g, "model", "") or ""
-                self.requests.labels(model, request.path, str(response.status_code)).inc()
-                started = getattr(g, "started", None)
-                if started is not None:
-                    self.latency.labels(model, request.path).observe(
-                        time.perf_counter() - started)
+            started = getattr(g, "started", None)
+            if started is not None and request.path not in OPEN_ROUTES:
+                self.latency.labels(getattr(g, "model", "") or "", request.path).observe(
+                    time.perf_counter() - started)
             return response
 
         if enabled:
@@ -92,11 +117,7 @@ class Metrics:
         rt = self.sup.models.get(name)
         if rt is None or not rt.ready:
             return name, None
-        try:
-            r = await rt.current.client.get("/v1/status", timeout=2.0)
-            return name, r.json()
-        except Exception:  # noqa: BLE001 - a worker mid-restart just has no status now
-            return name, None
+        return name, await rt.current.get_json("/v1/status", 2.0)
 
     async def refresh(self) -> dict[str, dict]:
         results = await asyncio.gather(*(self._worker_status(n) for n in self.sup.names()))
@@ -108,12 +129,20 @@ class Metrics:
         models = {}
         for n in self.sup.names():
             rt = self.sup.models[n]
-            entry = {"phase": rt.phase, "ready": rt.ready, "inflight": rt.inflight,
+            entry = {"phase": rt.phase.value, "ready": rt.ready, "inflight": rt.inflight,
                      "waiting_for_load": rt.waiters}
             if n in workers:
                 entry.update(workers[n])
             models[n] = entry
         return {"status": "ok", "models": models, "memory": self.sup.memory_status()}
+
+
+def tag_model(name: str) -> None:
+    """Record which model the current request went to (metrics label, 499 logs)."""
+    g.model = name
+    state = request.scope.get(_SCOPE_KEY)
+    if state is not None:
+        state["model"] = name
 
 
 class _ModelCollector:
@@ -140,7 +169,7 @@ class _ModelCollector:
                   for k in ("loads", "unloads", "evictions", "restarts")}
         for n in sup.names():
             rt = sup.models[n]
-            state.add_metric([n, rt.phase], 1)
+            state.add_metric([n, rt.phase.value], 1)
             loaded.add_metric([n], 1 if rt.ready else 0)
             mem.add_metric([n], rt.measured_bytes or 0)
             inflight.add_metric([n], rt.inflight)

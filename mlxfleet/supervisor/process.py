@@ -21,66 +21,30 @@ from typing import Any, Optional
 import httpx
 
 from ..manifest import Manifest
+from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
+from .worker_config import worker_config
 
 log = logging.getLogger("mlxfleet.supervisor")
 
 PARENT_FD_ENV = "MLXFLEET_PARENT_FD"
 
 
-def worker_args(m: Manifest, bind: str, server: Any = None) -> list[str]:
-    """The ``mlxfleet worker`` command line for a manifest; ``server`` settings fill the
-    defaults the manifest leaves unset."""
-    s = m.spec
-
-    def pick(own, name):
-        return own if own is not None else getattr(server, name, None)
-
-    args = ["worker", "--source", s.source, "--name", m.name, "--bind", bind,
-            "--max-concurrency", str(s.batching.max_concurrency),
-            "--max-queue", str(s.batching.max_queue),
-            "--prefill-batch-size", str(s.batching.prefill_batch_size),
-            "--prefill-step-size", str(s.batching.prefill_step_size)]
-    opt = {
-        "--revision": s.revision,
-        "--max-tokens-limit": pick(s.limits.max_tokens, "max_tokens"),
-        "--max-request-tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
-        "--max-tokens": s.defaults.max_tokens,
-        "--temperature": pick(s.defaults.temperature, "default_temperature"),
-        "--top-p": pick(s.defaults.top_p, "default_top_p"),
-        "--top-k": s.defaults.top_k,
-        "--stream-interval": pick(s.defaults.stream_interval, "stream_interval"),
-        "--cache-mb": s.cache.memory_mb,
-        "--tool-call-parser": s.parsers.tool_call,
-        "--reasoning-parser": s.parsers.reasoning,
-        "--cache-percent": s.cache.memory_percent,
-    }
-    for flag, v in opt.items():
-        if v is not None:
-            args += [flag, str(v)]
-    if s.task != "generate":
-        args += ["--task", s.task]
-    if s.trust_remote_code:
-        args.append("--trust-remote-code")
-    return args
-
-
-class WorkerProcess:
-    """A spawned ``mlxfleet worker`` for one generation of one model's spec."""
+class WorkerProcess(InflightCounter):
+    """A spawned ``mlxfleet worker`` for one generation of one model's spec
+    (a ``WorkerHandle``)."""
 
     def __init__(self, manifest: Manifest, socket_path: Path, log_path: Path,
                  log_max_bytes: int, log_backups: int, settings: Any = None):
+        super().__init__()
         self.manifest = manifest
-        self.settings = settings
-        self.hash = manifest.worker_hash()
+        self.config = worker_config(manifest, settings)
+        self.spec_hash = manifest.worker_hash()
         self.socket_path = socket_path
         self.log_path = log_path
         self.proc: Optional[asyncio.subprocess.Process] = None
-        self.inflight = 0  # requests the gateway is forwarding to this process
         self.ready_at: Optional[float] = None
         self.started_at: Optional[float] = None
         self.stopping = False
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._parent_w: Optional[int] = None
         self._log_task: Optional[asyncio.Task] = None
         self._logger = _file_logger(log_path, log_max_bytes, log_backups)
@@ -93,6 +57,23 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.proc.returncode if self.proc else None
+
+    async def wait_exit(self) -> Optional[int]:
+        return await self.proc.wait()
+
+    def memory_bytes(self) -> Optional[int]:
+        if not self.alive:
+            return None
+        try:
+            import psutil
+
+            return psutil.Process(self.pid).memory_info().rss
+        except Exception:  # noqa: BLE001 - the process may be gone already
+            return None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -113,9 +94,21 @@ class WorkerProcess:
         for a worker on a private socket (measured with py-spy).
         """
         req = self.client.build_request(method, path, content=body, headers=headers)
-        resp = await self.transport.handle_async_request(req)
+        try:
+            resp = await self.transport.handle_async_request(req)
+        except httpx.ConnectError as e:
+            raise WorkerUnreachable(str(e)) from None
+        except httpx.TransportError as e:
+            raise WorkerFailed(str(e) or type(e).__name__) from None
         resp.request = req
         return resp
+
+    async def get_json(self, path: str, timeout: float) -> Optional[dict]:
+        try:
+            r = await self.client.get(path, timeout=timeout)
+            return r.json()
+        except (httpx.HTTPError, ValueError):
+            return None
 
     async def spawn(self) -> None:
         r, w = os.pipe()
@@ -125,8 +118,8 @@ class WorkerProcess:
                           f"{self.manifest.name} ({self.manifest.spec.source}) ---")
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "mlxfleet",
-                *worker_args(self.manifest, f"unix:{self.socket_path}", self.settings),
+                sys.executable, "-m", "mlxfleet", "worker", "--bind",
+                f"unix:{self.socket_path}", "--config", self.config.model_dump_json(),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(r,),
                 start_new_session=True)  # our signals are ours to forward, not the tty's
@@ -144,13 +137,6 @@ class WorkerProcess:
                 return
             self._logger.info(line.decode(errors="replace").rstrip("\n"))
 
-    async def health(self) -> Optional[dict]:
-        try:
-            r = await self.client.get("/health", timeout=5.0)
-            return r.json()
-        except (httpx.HTTPError, ValueError):
-            return None
-
     async def wait_ready(self, timeout: float) -> tuple[bool, str]:
         """Poll ``/health`` until ready; (False, reason) on exit, load failure or timeout."""
         deadline = time.monotonic() + timeout
@@ -158,7 +144,7 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if not self.alive:
                 return False, f"worker exited with code {self.proc.returncode} while loading"
-            h = await self.health()
+            h = await self.get_json("/health", 5.0)
             if h is not None:
                 if h.get("state") == "ready":
                     self.ready_at = time.monotonic()
@@ -169,25 +155,12 @@ class WorkerProcess:
             delay = min(delay * 1.5, 0.5)
         return False, f"not ready after {timeout:.0f}s"
 
-    def acquire(self) -> None:
-        self.inflight += 1
-        self._idle.clear()
-
-    def release(self) -> None:
-        self.inflight -= 1
-        if self.inflight <= 0:
-            self.inflight = 0
-            self._idle.set()
-
     async def stop(self, drain_timeout: float, stop_timeout: float) -> Optional[int]:
         """Let gateway requests finish, SIGTERM (worker drains too), SIGKILL if it lingers."""
         self.stopping = True
-        if self.alive and self.inflight:
-            try:
-                await asyncio.wait_for(self._idle.wait(), drain_timeout)
-            except asyncio.TimeoutError:
-                log.warning("%s: %d requests still running after %.0fs; stopping anyway",
-                            self.manifest.name, self.inflight, drain_timeout)
+        if self.alive and self.inflight and not await self.drained(drain_timeout):
+            log.warning("%s: %d requests still running after %.0fs; stopping anyway",
+                        self.manifest.name, self.inflight, drain_timeout)
         code = None
         if self.proc is not None:
             if self.alive:

@@ -1,8 +1,9 @@
-"""Pure decisions of the control plane: no processes, no clocks, no I/O.
+"""The folder-level reconcile decision: which models to create, update, replace, delete.
 
-The supervisor is level-triggered: each pass compares the desired state (parsed
-manifests) with the actual state (worker processes) and acts on the difference,
-so a missed event is corrected by the next pass.
+Pure: no processes, no clocks, no I/O. The supervisor is level-triggered: each
+pass compares the desired state (parsed manifests) with the models it runs and
+acts on the difference, so a missed event is corrected by the next pass. What
+happens to one model's workers afterwards is ``lifecycle.next_step``'s decision.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 class Action(str, Enum):
     CREATE = "create"    # desired, no worker yet
-    KEEP = "keep"        # running the desired spec: leave the process alone
+    KEEP = "keep"        # same worker spec: update in place (aliases, keep-alive...)
     REPLACE = "replace"  # spec changed: roll to a new worker, then stop the old
     DELETE = "delete"    # no longer desired: drain and stop
 
@@ -38,17 +39,3 @@ def plan(desired: Mapping[str, str], actual: Mapping[str, Optional[str]]) -> dic
         if name not in desired:
             out[name] = Action.DELETE
     return out
-
-
-def backoff_delay(consecutive_failures: int, base: float, cap: float) -> float:
-    """Delay before restart number ``consecutive_failures`` (1-based): base * 2^(n-1), capped."""
-    if consecutive_failures <= 0:
-        return 0.0
-    return min(cap, base * (2 ** min(consecutive_failures - 1, 30)))
-
-
-def failures_after_exit(previous_failures: int, ready_seconds: float,
-                        stable_period: float) -> int:
-    """Consecutive failures after a crash: a worker that stayed Ready for the stable
-    period starts the count afresh."""
-    return 1 if ready_seconds >= stable_period else previous_failures + 1

@@ -1,55 +1,65 @@
 """One model's lifecycle: load, readiness, crash backoff, rolling replace, keep-alive, unload.
 
-Each model has one asyncio task that drives its worker toward the desired
-state: loaded with the current manifest, or unloaded. A spec change starts a
-new worker while the old one keeps serving; traffic moves only when the new
-one is Ready, then the old one drains. Whether a model should be loaded is
-decided by the supervisor's scheduler (memory budget) and by keep-alive.
+Each model has one asyncio task that drives its workers toward the desired
+state. It asks the pure ``lifecycle.next_step`` what to do, does that one step,
+and asks again: serve, start a worker, replace an old one (the old one serves
+until the new one is Ready, then drains), back off after a failure, unload, or
+shut down. Whether the model should be loaded is decided by the scheduler
+(memory budget) and by keep-alive; workers come from the supervisor's factory
+(any ``WorkerHandle``).
+
+Over 400 lines on purpose: the task and the state it drives are one unit (its
+events and conditions live in record.py, its memory accounting in memory.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 from ..manifest import Manifest
-from ..units import iso, iso_opt
-from .process import WorkerProcess
-from .reconcile import backoff_delay, failures_after_exit
-from .scheduler import Candidate, expires_at
+from ..units import iso_opt
+from .handle import WorkerHandle
+from .lifecycle import (
+    Desired,
+    ModelPhase,
+    Observed,
+    Step,
+    backoff_delay,
+    failures_after_exit,
+    next_step,
+)
+from .memory import MemoryAccount
+from .record import StatusRecord
+from .scheduler import expires_at
 
 log = logging.getLogger("mlxfleet.supervisor")
 
 
-class ModelRuntime:
+class ModelRuntime(StatusRecord, MemoryAccount):
     """The supervisor's record of one model: desired manifest, workers, status."""
 
     def __init__(self, manifest: Manifest, file: str, supervisor: Any):
+        super().__init__(manifest.name)
         self.manifest = manifest
         self.file = file
         self.sup = supervisor
         self.settings = supervisor.settings
         self.generation = 1
         self.observed_generation: Optional[int] = None
-        self.current: Optional[WorkerProcess] = None  # the worker traffic goes to
-        self.starting: Optional[WorkerProcess] = None  # a worker still loading
+        self.current: Optional[WorkerHandle] = None  # the worker traffic goes to
+        self.starting: Optional[WorkerHandle] = None  # a worker still loading
         self.want_loaded = False  # set by the scheduler (Supervisor.ensure_loaded)
         self.restarts = 0
         self.failures = 0  # consecutive, for the backoff
         self.failed_at: Optional[float] = None
         self.last_error: Optional[str] = None
-        self.phase = "Unloaded"
+        self.phase = ModelPhase.UNLOADED
         self.created = time.time()
         self.removed = False
-        self.manifest_error: Optional[str] = None
-        self.events: collections.deque = collections.deque(maxlen=50)
-        self.conditions: dict[str, dict[str, Any]] = {}
-        self.backoff_until: Optional[float] = None
         self.keep_alive_override: Optional[float] = None
         self.last_used: Optional[float] = None
         self.weight_bytes: Optional[int] = None
@@ -62,9 +72,9 @@ class ModelRuntime:
         self._unloaded.set()
         self._wake = asyncio.Event()
         self._idle_timer: Optional[asyncio.TimerHandle] = None
-        self._seq = 0
         self._draining: set[asyncio.Task] = set()
-        self._set_condition("Ready", False, "Unloaded", "not loaded")
+        self._config_for: Optional[Manifest] = None
+        self.set_condition("Ready", False, "Unloaded", "not loaded")
         self.task = asyncio.create_task(self._run(), name=f"model:{manifest.name}")
 
     @property
@@ -91,43 +101,10 @@ class ModelRuntime:
     def holds_memory(self) -> bool:
         return self.want_loaded or self.current is not None or self.starting is not None
 
-    # ---- memory ----------------------------------------------------------
-
-    def cache_bytes(self) -> int:
-        c = self.manifest.spec.cache
-        if c.memory_mb is not None:
-            return c.memory_mb << 20
-        if c.memory_percent is not None:
-            import psutil
-
-            return int(psutil.virtual_memory().total * c.memory_percent)
-        return self.settings.default_cache_mb << 20
-
-    def estimated_bytes(self) -> int:
-        return ((self.weight_bytes or 0) + self.cache_bytes()
-                + (self.settings.worker_overhead_mb << 20))
-
-    def footprint(self) -> int:
-        rss = self._rss()
-        if rss:
-            self.measured_bytes = max(self.measured_bytes or 0, rss)
-        return max(self.estimated_bytes(), self.measured_bytes or 0)
-
-    def candidate(self) -> Candidate:
-        s = self.manifest.spec
-        busy = self.inflight > 0 or self.starting is not None or (
-            self.want_loaded and not self.ready)
-        return Candidate(self.name, self.footprint(), self.holds_memory, busy, s.pinned,
-                         s.priority, self.last_used or self.created)
-
-    def _rss(self) -> Optional[int]:
-        w = self.current
-        return _rss(w.pid) if w and w.alive else None
-
     # ---- control ---------------------------------------------------------
 
-    def update(self, manifest: Manifest, file: str) -> None:
-        """A new desired manifest; restarts the worker only if its hash changed."""
+    def update(self, manifest: Manifest, file: str, restart: bool) -> None:
+        """A new desired manifest; ``restart`` when the worker hash changed (a new worker)."""
         old = self.manifest
         self.file = file
         if manifest == old:
@@ -136,7 +113,7 @@ class ModelRuntime:
         self.manifest = manifest
         if manifest.source_changed(old):
             self.weight_bytes = self.measured_bytes = None
-        if manifest.worker_hash() != old.worker_hash():
+        if restart:
             self.event("Normal", "SpecChanged", "spec changed; rolling to a new worker"
                        if self.holds_memory else "spec changed")
             self.failures = 0
@@ -170,7 +147,7 @@ class ModelRuntime:
     async def wait_unloaded(self) -> None:
         await self._unloaded.wait()
 
-    async def wait_ready(self, timeout: float) -> WorkerProcess:
+    async def wait_ready(self, timeout: float) -> WorkerHandle:
         """The ready worker; raises TimeoutError, or RuntimeError if the load failed."""
         ready = asyncio.ensure_future(self._ready.wait())
         failed = asyncio.ensure_future(self._failed.wait())
@@ -186,7 +163,7 @@ class ModelRuntime:
             raise RuntimeError(self.last_error or "the model failed to load")
         raise TimeoutError
 
-    def begin(self) -> WorkerProcess:
+    def begin(self) -> WorkerHandle:
         """A request starts on the current worker: it is busy, not idle."""
         w = self.current
         w.acquire()
@@ -196,7 +173,7 @@ class ModelRuntime:
             self._idle_timer = None
         return w
 
-    def end(self, w: WorkerProcess) -> None:
+    def end(self, w: WorkerHandle) -> None:
         w.release()
         self.last_used = time.time()
         if w is self.current and w.inflight == 0:
@@ -217,35 +194,17 @@ class ModelRuntime:
         self._idle_timer = None
         if self.want_loaded and self.inflight == 0 and self.starting is None \
                 and self.waiters == 0:
-            ka = self.keep_alive
-            self.unload(f"idle for {ka:g}s (keepAlive)")
+            self.unload(f"idle for {self.keep_alive:g}s (keepAlive)")
+
+    def retry_after(self) -> float:
+        """Seconds until another start may be tried after a failure (0: now)."""
+        if self.failed_at is None:
+            return 0.0
+        delay = backoff_delay(self.failures, self.settings.backoff_base,
+                              self.settings.backoff_cap)
+        return max(0.0, self.failed_at + delay - time.monotonic())
 
     # ---- status ----------------------------------------------------------
-
-    def event(self, type_: str, reason: str, message: str) -> None:
-        self.events.append({"time": iso(), "type": type_, "reason": reason,
-                            "message": message})
-        (log.warning if type_ == "Warning" else log.info)("%s: %s: %s", self.name, reason,
-                                                           message)
-
-    def _set_condition(self, type_: str, status: bool, reason: str, message: str) -> None:
-        cur = self.conditions.get(type_)
-        st = "True" if status else "False"
-        if cur and cur["status"] == st and cur["reason"] == reason \
-                and cur["message"] == message:
-            return
-        changed = cur is None or cur["status"] != st
-        self.conditions[type_] = {
-            "type": type_, "status": st, "reason": reason, "message": message,
-            "lastTransitionTime": iso() if changed else cur["lastTransitionTime"]}
-
-    def set_manifest_error(self, message: Optional[str]) -> None:
-        self.manifest_error = message
-        if message:
-            self._set_condition("ManifestValid", False, "ParseError",
-                                f"{message} (serving the last good spec)")
-        else:
-            self._set_condition("ManifestValid", True, "Parsed", "manifest is valid")
 
     def status(self) -> dict[str, Any]:
         w = self.current
@@ -256,10 +215,10 @@ class ModelRuntime:
         return {
             "name": self.name, "source": spec.source, "aliases": list(spec.aliases),
             "labels": dict(self.manifest.metadata.labels), "file": self.file,
-            "phase": self.phase, "ready": self.ready, "loaded": self.holds_memory,
+            "phase": self.phase.value, "ready": self.ready, "loaded": self.holds_memory,
             "generation": self.generation, "observedGeneration": self.observed_generation,
             "restarts": self.restarts, "pid": w.pid if w and w.alive else None,
-            "memoryBytes": self._rss(), "lastError": self.last_error,
+            "memoryBytes": self.memory_bytes(), "lastError": self.last_error,
             "inflight": self.inflight, "waiting": self.waiters,
             "keepAlive": "forever" if math.isinf(ka) else ka,
             "lastUsed": iso_opt(self.last_used), "expiresAt": iso_opt(exp),
@@ -268,37 +227,31 @@ class ModelRuntime:
                        "measuredBytes": self.measured_bytes,
                        "weightBytes": self.weight_bytes, "cacheBytes": self.cache_bytes(),
                        "footprintBytes": footprint},
-            "createdAt": iso(self.created),
-            "ageSeconds": round(time.time() - self.created, 1),
-            "conditions": list(self.conditions.values()),
-            "events": list(self.events),
-            "logFile": str(self.log_path),
+            **self.record_status(self.created),
+            "logFile": str(self.sup.log_path(self.name)),
         }
-
-    @property
-    def log_path(self) -> Path:
-        return self.sup.log_dir / f"{self.name}.log"
 
     # ---- lifecycle -------------------------------------------------------
 
-    def _new_worker(self) -> WorkerProcess:
-        self._seq += 1
-        sock = self.sup.runtime_dir / f"{self.name}.{self._seq}.sock"
-        s = self.settings
-        return WorkerProcess(self.manifest, sock, self.log_path, s.log_max_bytes,
-                             s.log_backups, s)
+    def _desired(self) -> Desired:
+        return Desired(self.want_loaded, self.removed, self.manifest.worker_hash())
+
+    def _observed(self) -> Observed:
+        cur = self.current
+        serving = cur.spec_hash if cur is not None and cur.alive else None
+        return Observed(serving, cur is not None or self.starting is not None,
+                        self.retry_after())
 
     async def _run(self) -> None:
+        steps = {Step.IDLE: self._stay_unloaded, Step.UNLOAD: self._stop_workers,
+                 Step.SERVE: self._watch, Step.START: self._start_worker,
+                 Step.REPLACE: self._start_worker, Step.BACKOFF: self._backoff}
         try:
-            while not self.removed:
-                cur = self.current
-                if not self.want_loaded:
-                    await self._stay_unloaded()
-                elif cur is not None and cur.alive and \
-                        cur.hash == self.manifest.worker_hash():
-                    await self._watch(cur)
-                else:
-                    await self._start_worker()
+            while True:
+                step = next_step(self._desired(), self._observed())
+                if step is Step.SHUTDOWN:
+                    break
+                await steps[step]()
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - never let one model take down the others
@@ -307,34 +260,43 @@ class ModelRuntime:
         finally:
             await self._shutdown()
 
-    async def _stay_unloaded(self) -> None:
-        workers = [w for w in (self.starting, self.current) if w is not None]
-        if workers:
-            self.phase = "Unloading"
-            self._ready.clear()
-            self.current = self.starting = None
-            await asyncio.gather(*(w.stop(self.settings.drain_timeout,
-                                          self.settings.stop_timeout) for w in workers))
-            self.event("Normal", "Unloaded", "worker stopped; memory released")
-            self.unloads += 1
-            self.sup.notify_idle()
-        self.phase = "Unloaded" if not self.failed_at or self.manifest.spec.preload \
-            else "Failed"
-        reason = "Unloaded" if self.phase == "Unloaded" else "LoadFailed"
-        self._set_condition("Ready", False, reason, "not loaded; loads on the next request"
-                            if reason == "Unloaded" else f"{self.last_error}")
-        self._unloaded.set()
+    async def _wait_wake(self, timeout: Optional[float] = None) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
         self._wake.clear()
-        if not self.want_loaded and not self.removed:
-            await self._wake.wait()
 
-    async def _watch(self, cur: WorkerProcess) -> None:
-        """Serve until the worker exits, the spec changes, or an unload is asked."""
-        self._wake.clear()
-        exited = asyncio.ensure_future(cur.proc.wait())
+    async def _stay_unloaded(self) -> None:
+        failed = self.failed_at is not None and not self.manifest.spec.preload
+        self.phase = ModelPhase.FAILED if failed else ModelPhase.UNLOADED
+        if failed:
+            self.set_condition("Ready", False, "LoadFailed", f"{self.last_error}")
+        else:
+            self.set_condition("Ready", False, "Unloaded",
+                               "not loaded; loads on the next request")
+        self._unloaded.set()
+        await self._wait_wake()
+
+    async def _stop_workers(self) -> None:
+        workers = [w for w in (self.starting, self.current) if w is not None]
+        self.phase = ModelPhase.UNLOADING
+        self._ready.clear()
+        self.current = self.starting = None
+        await asyncio.gather(*(w.stop(self.settings.drain_timeout, self.settings.stop_timeout)
+                               for w in workers))
+        self.event("Normal", "Unloaded", "worker stopped; memory released")
+        self.unloads += 1
+        self.sup.notify_idle()
+
+    async def _watch(self) -> None:
+        """Serve until the worker exits or something changes (spec, unload, removal)."""
+        cur = self.current
+        exited = asyncio.ensure_future(cur.wait_exit())
         woken = asyncio.ensure_future(self._wake.wait())
         await asyncio.wait({exited, woken}, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
+        self._wake.clear()
         if not exited.done():
             exited.cancel()
             return  # re-evaluate: replace, unload or remove
@@ -343,32 +305,29 @@ class ModelRuntime:
         ready_for = time.monotonic() - (cur.ready_at or time.monotonic())
         self.failures = failures_after_exit(self.failures, ready_for,
                                             self.settings.stable_period)
-        self.last_error = f"worker exited unexpectedly with code {cur.proc.returncode}"
+        self.failed_at = time.monotonic()
+        self.last_error = f"worker exited unexpectedly with code {cur.returncode}"
         self.event("Warning", "WorkerCrashed", f"{self.last_error} (pid {cur.pid})")
         self._ready.clear()
         self.current = None
         await cur.close()
-        await self._backoff()
 
     async def _start_worker(self) -> None:
         if self.failures:  # a restart after a crash or a failed start
             self.restarts += 1
+        self._wake.clear()  # from here, a wake means: abandon this start
+        self._failed.clear()
         if self.weight_bytes is None:
-            from ..sources import weight_bytes
-
-            self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
-                                                        self.manifest.spec.revision)
-        w = self._new_worker()
+            await self._measure_weights()
+        w = self.sup.new_worker(self)
         self.starting = w
         replacing = self.current is not None
-        self._wake.clear()
-        self._failed.clear()
         if replacing:
-            self._set_condition("Progressing", True, "NewWorkerStarting",
-                                "starting a worker for the new spec; the old one serves")
+            self.set_condition("Progressing", True, "NewWorkerStarting",
+                               "starting a worker for the new spec; the old one serves")
         else:
-            self.phase = "Loading"
-            self._set_condition("Ready", False, "Loading", "the worker is loading the model")
+            self.phase = ModelPhase.LOADING
+            self.set_condition("Ready", False, "Loading", "the worker is loading the model")
         try:
             await w.spawn()
         except OSError as e:
@@ -395,25 +354,28 @@ class ModelRuntime:
             return
         old, self.current = self.current, w
         self.observed_generation = self.generation
-        self.phase = "Ready"
+        self.phase = ModelPhase.READY
         self.loads += 1
         self.failed_at = None
         self._ready.set()
-        self._set_condition("Ready", True, "WorkerReady", f"worker pid {w.pid} is serving")
+        self.set_condition("Ready", True, "WorkerReady", f"worker pid {w.pid} is serving")
         self.event("Normal", "Ready", f"worker pid {w.pid} ready in "
-                   f"{time.monotonic() - w.started_at:.1f}s")
+                   f"{time.monotonic() - (w.started_at or time.monotonic()):.1f}s")
         if self.weight_bytes is None:  # a builtin or download now on disk
-            from ..sources import weight_bytes
-
-            self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
-                                                        self.manifest.spec.revision)
+            await self._measure_weights()
         self._arm_idle_timer()  # a load nobody uses still expires
         if old is not None:
-            self._set_condition("Progressing", True, "RolloutComplete",
-                                "traffic moved to the new worker")
+            self.set_condition("Progressing", True, "RolloutComplete",
+                               "traffic moved to the new worker")
             self._drain(old)
 
-    async def _failed_start(self, w: WorkerProcess, why: str) -> None:
+    async def _measure_weights(self) -> None:
+        from ..sources import weight_bytes
+
+        self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
+                                                    self.manifest.spec.revision)
+
+    async def _failed_start(self, w: WorkerHandle, why: str) -> None:
         self.failures += 1
         self.failed_at = time.monotonic()
         self.last_error = why
@@ -422,40 +384,23 @@ class ModelRuntime:
         await w.stop(0, self.settings.stop_timeout)
         self._failed.set()  # waiters get the error now, not after the retries
         if self.current is not None:
-            self._set_condition("Progressing", False, "NewWorkerFailed",
-                                f"{why}; the previous worker keeps serving")
+            self.set_condition("Progressing", False, "NewWorkerFailed",
+                               f"{why}; the previous worker keeps serving")
         elif not self.manifest.spec.preload:
             # On-demand models do not retry by themselves: the next request does,
             # once the backoff has passed (see Supervisor.ensure_loaded).
             self.want_loaded = False
             self.sup.notify_idle()
-            return
-        await self._backoff()
-
-    def retry_after(self) -> float:
-        """Seconds until an on-demand model that failed to load may be tried again."""
-        if self.failed_at is None:
-            return 0.0
-        delay = backoff_delay(self.failures, self.settings.backoff_base,
-                              self.settings.backoff_cap)
-        return max(0.0, self.failed_at + delay - time.monotonic())
 
     async def _backoff(self) -> None:
-        delay = backoff_delay(self.failures, self.settings.backoff_base,
-                              self.settings.backoff_cap)
+        delay = self.retry_after()
         if self.current is None:
-            self.phase = "CrashLoopBackOff"
-            self._set_condition("Ready", False, "CrashLoopBackOff",
-                                f"{self.last_error}; restarting in {delay:.0f}s")
-        self.backoff_until = time.monotonic() + delay
-        self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), delay)
-        except asyncio.TimeoutError:
-            pass
-        self.backoff_until = None
+            self.phase = ModelPhase.BACKOFF
+            self.set_condition("Ready", False, "CrashLoopBackOff",
+                               f"{self.last_error}; restarting in {delay:.0f}s")
+        await self._wait_wake(delay)
 
-    def _drain(self, old: WorkerProcess) -> None:
+    def _drain(self, old: WorkerHandle) -> None:
         async def stop_old():
             code = await old.stop(self.settings.drain_timeout, self.settings.stop_timeout)
             self.event("Normal", "Stopped", f"old worker pid {old.pid} stopped (code {code})")
@@ -465,11 +410,11 @@ class ModelRuntime:
         t.add_done_callback(self._draining.discard)
 
     async def _shutdown(self) -> None:
-        self.phase = "Terminating"
+        self.phase = ModelPhase.TERMINATING
         self._ready.clear()
         if self._idle_timer:
             self._idle_timer.cancel()
-        self._set_condition("Ready", False, "Terminating", "the model is stopping")
+        self.set_condition("Ready", False, "Terminating", "the model is stopping")
         workers = [w for w in (self.starting, self.current) if w is not None]
         self.current = self.starting = None
         for w in workers:
@@ -477,19 +422,8 @@ class ModelRuntime:
                 w.kill()
         await asyncio.gather(*(w.stop(self.settings.drain_timeout, self.settings.stop_timeout)
                                for w in workers), *self._draining, return_exceptions=True)
-        self.phase = "Stopped"
+        self.phase = ModelPhase.STOPPED
         self.want_loaded = False
         self._unloaded.set()
         self.sup.notify_idle()
         self.event("Normal", "Stopped", "all workers stopped")
-
-
-def _rss(pid: Optional[int]) -> Optional[int]:
-    if pid is None:
-        return None
-    try:
-        import psutil
-
-        return psutil.Process(pid).memory_info().rss
-    except Exception:  # noqa: BLE001 - the process may be gone already
-        return None

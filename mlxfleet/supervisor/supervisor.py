@@ -7,12 +7,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
 from ..manifest import FileResult, LoadedManifest, ManifestError, load_paths
 from ..settings import ServerSettings
 from ..units import fmt_bytes
+from .admission import Acquire, AdmissionError, until_ready
+from .handle import WorkerHandle
 from .reconcile import Action, plan
 from .runtime import ModelRuntime
 from .scheduler import plan_load
@@ -20,25 +23,17 @@ from .scheduler import plan_load
 log = logging.getLogger("mlxfleet.supervisor")
 
 
-class LoadRefused(Exception):
-    """A model cannot be loaded now; ``retry_after`` seconds may change that.
-
-    ``code`` says why: ``insufficient_memory`` or ``model_load_failed``."""
-
-    def __init__(self, message: str, code: str, retry_after: float = 5.0):
-        super().__init__(message)
-        self.code = code
-        self.retry_after = retry_after
-
-
 class Supervisor:
     """Owns every model runtime; the gateway asks it where to send requests."""
 
-    def __init__(self, settings: ServerSettings):
+    def __init__(self, settings: ServerSettings,
+                 worker_factory: Optional[Callable[[ModelRuntime], WorkerHandle]] = None):
         self.settings = settings
+        self._worker_factory = worker_factory or self._worker_process
+        self._seq = 0
         self.manifests_dir = Path(settings.manifests_dir).resolve()
         self.log_dir = Path(settings.state_dir).expanduser().resolve() / "logs"
-        self.runtime_dir: Path = Path()
+        self.runtime_dir: Optional[Path] = None  # made by start()
         self.models: dict[str, ModelRuntime] = {}
         self.aliases: dict[str, str] = {}
         self.file_errors: dict[str, list[ManifestError]] = {}
@@ -73,7 +68,38 @@ class Supervisor:
         tasks = [rt.task for rt in self.models.values()] + list(self._stopping)
         await asyncio.gather(*tasks, return_exceptions=True)
         self.models.clear()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # ---- workers ---------------------------------------------------------
+
+    def new_worker(self, rt: ModelRuntime) -> WorkerHandle:
+        """A worker (not started yet) for ``rt``'s current manifest."""
+        return self._worker_factory(rt)
+
+    def _worker_process(self, rt: ModelRuntime) -> WorkerHandle:
+        from .process import WorkerProcess
+
+        self._seq += 1
+        sock = self.runtime_dir / f"{rt.name}.{self._seq}.sock"
+        s = self.settings
+        return WorkerProcess(rt.manifest, sock, self.log_path(rt.name), s.log_max_bytes,
+                             s.log_backups, s)
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    # ---- admission -------------------------------------------------------
+
+    def acquire(self, model: str, deadline: float, keep_alive: Optional[float] = None
+                ) -> Acquire:
+        """A lease on a ready worker for ``model`` (name or alias), loading it on demand;
+        raises ``AdmissionError``. ``deadline`` is ``time.monotonic()`` based."""
+        return Acquire(self, model, deadline, keep_alive)
+
+    async def ready(self, rt: ModelRuntime, deadline: float) -> None:
+        """Load ``rt`` and wait until it serves (no lease); raises ``AdmissionError``."""
+        await until_ready(self, rt, deadline)
 
     # ---- routing ---------------------------------------------------------
 
@@ -130,7 +156,7 @@ class Supervisor:
                 elif action in (Action.KEEP, Action.REPLACE):
                     rt = self.models[name]
                     was = rt.manifest.spec.preload
-                    rt.update(lm.manifest, lm.file)
+                    rt.update(lm.manifest, lm.file, restart=action is Action.REPLACE)
                     if lm.manifest.spec.preload and not was:
                         self._spawn(self._preload(rt))
                 elif action is Action.DELETE:
@@ -157,7 +183,7 @@ class Supervisor:
     async def _preload(self, rt: ModelRuntime) -> None:
         try:
             await self.ensure_loaded(rt)
-        except LoadRefused as e:
+        except AdmissionError as e:
             rt.event("Warning", "PreloadRefused", str(e))
 
     def notify_idle(self) -> None:
@@ -176,14 +202,15 @@ class Supervisor:
 
         Only one load decision runs at a time, so two loads never both count
         the same free memory. A busy model is never evicted: the decision waits
-        (bounded) for it to go idle. Raises LoadRefused when nothing can make room.
+        (bounded) for it to go idle. Raises AdmissionError when nothing can make room.
         """
         if rt.want_loaded:
             return
         wait = rt.retry_after()
         if wait > 0:
-            raise LoadRefused(f"Model '{rt.name}' failed to load: {rt.last_error}. "
-                              f"Retrying in {wait:.0f}s.", "model_load_failed", retry_after=wait)
+            raise AdmissionError(503, f"Model '{rt.name}' failed to load: {rt.last_error}. "
+                                 f"Retrying in {wait:.0f}s.", "model_load_failed",
+                                 retry_after=wait)
         deadline = asyncio.get_running_loop().time() + self.settings.busy_wait_timeout
         async with self._sched_lock:
             while not rt.want_loaded and not rt.removed:
@@ -202,7 +229,8 @@ class Supervisor:
                 left = deadline - asyncio.get_running_loop().time()
                 if not p.wait or left <= 0:
                     rt.event("Warning", "LoadRefused", p.message)
-                    raise LoadRefused(f"Cannot load model {p.message}.", "insufficient_memory")
+                    raise AdmissionError(503, f"Cannot load model {p.message}.",
+                                         "insufficient_memory", retry_after=5)
                 log.info("%s: waiting for a busy model to go idle: %s", rt.name, p.message)
                 self._idle.clear()
                 try:

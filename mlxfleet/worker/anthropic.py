@@ -1,24 +1,24 @@
-"""Anthropic's Messages API, translated to the worker's chat pipeline.
+"""Anthropic's Messages API: request conversion and response formatting.
 
 ``POST /v1/messages`` (plain and streaming, with Anthropic's exact event order)
-and ``POST /v1/messages/count_tokens``. A request becomes an OpenAI-style chat
-request internally, so batching, tools, reasoning and stop strings are one code
-path; only the input and output shapes differ.
+and ``POST /v1/messages/count_tokens``. A request becomes the worker's
+``GenRequest``, so batching, tools, reasoning and stop strings are one code
+path (the pipeline); only the input and output shapes differ.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Quart, request
+from pydantic import BaseModel, ConfigDict, Field
+from quart import Quart
 
-from ..wire import APIError, from_validation_error, parse_json_body, streaming_response
-from .completions import chat_prompt
+from ..wire import APIError, parse_model
+from .app import Worker
 from .parsers import call_id
-from .schemas import ChatCompletionRequest
+from .pipeline import ChoiceResult, Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
+from .prompts import GenRequest, chat_prompt
 
 
 class _Block(BaseModel):
@@ -63,7 +63,8 @@ class CountTokensRequest(BaseModel):
     tools: Optional[list[AnthropicTool]] = None
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, sep: str = "") -> str:
+    """Text blocks as one string (``sep`` between blocks)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -75,15 +76,14 @@ def _text(content: Any) -> str:
         d = b if isinstance(b, dict) else b.model_dump() if isinstance(b, BaseModel) else {}
         if d.get("type") == "text":
             parts.append(str(d.get("text", "")))
-    return "".join(parts)
+    return sep.join(parts)
 
 
-def to_chat(req: MessagesRequest | CountTokensRequest, max_tokens: Optional[int] = None
-            ) -> dict[str, Any]:
-    """The equivalent OpenAI chat request body."""
+def _messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages (system blocks one per paragraph)."""
     msgs: list[dict[str, Any]] = []
     if req.system:
-        msgs.append({"role": "system", "content": _text(req.system)})
+        msgs.append({"role": "system", "content": _text(req.system, "\n\n")})
     for i, m in enumerate(req.messages):
         if isinstance(m.content, str):
             msgs.append({"role": m.role, "content": m.content})
@@ -92,74 +92,75 @@ def to_chat(req: MessagesRequest | CountTokensRequest, max_tokens: Optional[int]
         for j, b in enumerate(m.content):
             d = b.model_dump()
             kind = d["type"]
+            where = f"messages[{i}].content[{j}]"
             if kind == "text":
-                text.append(d.get("text", ""))
+                text.append(str(d.get("text", "")))
             elif kind == "image" or kind == "document":
                 raise APIError(400, f"This model does not accept {kind} content.",
-                               param=f"messages[{i}].content[{j}]", code="unsupported_content")
+                               param=where, code="unsupported_content")
             elif kind == "tool_use" and m.role == "assistant":
+                name, args = d.get("name"), d.get("input") or {}
+                if not isinstance(name, str) or not name or not isinstance(args, dict):
+                    raise APIError(400, "A tool_use block needs a 'name' (string) and an "
+                                   "'input' (object).", param=where, code="invalid_value")
                 calls.append({"id": d.get("id") or call_id(), "type": "function",
-                              "function": {"name": d.get("name", ""),
-                                           "arguments": d.get("input") or {}}})
+                              "function": {"name": name, "arguments": args}})
             elif kind == "tool_result" and m.role == "user":
-                content = d.get("content")
                 results.append({"role": "tool", "tool_call_id": d.get("tool_use_id"),
-                                "content": _text(content)})
+                                "content": _text(d.get("content"))})
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not fed back, as with OpenAI's API
             else:
                 raise APIError(400, f"Unsupported content block type '{kind}' in a "
-                               f"{m.role} message.", param=f"messages[{i}].content[{j}]",
-                               code="invalid_value")
+                               f"{m.role} message.", param=where, code="invalid_value")
         msgs.extend(results)
         if text or calls or not results:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             msgs.append(msg)
-    body: dict[str, Any] = {"model": req.model, "messages": msgs}
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": t.input_schema}} for t in req.tools]
-    if isinstance(req, MessagesRequest):
-        body.update(max_tokens=max_tokens or req.max_tokens, stream=req.stream)
-        for k in ("temperature", "top_p", "top_k"):
-            if getattr(req, k) is not None:
-                body[k] = getattr(req, k)
-        if req.stop_sequences:
-            body["stop"] = req.stop_sequences
-        tc = req.tool_choice or {}
-        kind = tc.get("type")
-        if kind == "any":
-            body["tool_choice"] = "required"
-        elif kind == "tool":
-            body["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
-        elif kind in ("none", "auto"):
-            body["tool_choice"] = kind
-        elif kind is not None:
-            raise APIError(400, f"Unknown tool_choice type '{kind}'.", param="tool_choice",
-                           code="invalid_value")
-        if "keep_alive" in (req.model_extra or {}):
-            body["keep_alive"] = req.model_extra["keep_alive"]
-    return body
+    return msgs
 
 
-def _parse(cls, body: dict[str, Any]):
-    try:
-        return cls.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+def _tools(req: MessagesRequest | CountTokensRequest) -> Optional[list[dict[str, Any]]]:
+    if not req.tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name,
+                                              "description": t.description or "",
+                                              "parameters": t.input_schema}}
+            for t in req.tools]
 
 
-def _stop_reason(call, i: int) -> tuple[str, Optional[str]]:
-    dec = call.decoders[i]
-    if call.choices[i].calls:
+def _tool_choice(tc: Optional[dict[str, Any]]) -> Any:
+    kind = (tc or {}).get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        if not isinstance(tc.get("name"), str):
+            raise APIError(400, "tool_choice of type 'tool' needs a 'name'.",
+                           param="tool_choice", code="invalid_value")
+        return {"name": tc["name"]}
+    if kind in (None, "none", "auto"):
+        return kind
+    raise APIError(400, f"Unknown tool_choice type '{kind}'.", param="tool_choice",
+                   code="invalid_value")
+
+
+def messages_request(body: dict[str, Any]) -> GenRequest:
+    req = parse_model(MessagesRequest, body)
+    return GenRequest(messages=_messages(req), tools=_tools(req),
+                      tool_choice=_tool_choice(req.tool_choice), max_tokens=req.max_tokens,
+                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      stop=list(req.stop_sequences or []), stream=req.stream)
+
+
+def _stop_reason(r: Finish, has_calls: bool) -> tuple[str, Optional[str]]:
+    if has_calls:
         return "tool_use", None
-    if dec.finish_reason == "length":
+    if r.reason == "length":
         return "max_tokens", None
-    if dec.stop_sequence is not None:
-        return "stop_sequence", dec.stop_sequence
+    if r.stop_sequence is not None:
+        return "stop_sequence", r.stop_sequence
     return "end_turn", None
 
 
@@ -167,105 +168,91 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-def register_anthropic(app: Quart) -> None:
-    ext = app.extensions["mlxfleet"]
-    name = ext["name"]
+def _tool_id(call: ToolCall) -> str:
+    """Anthropic's id style for a call the pipeline named ``call_...``."""
+    return "toolu_" + call.id.split("_", 1)[-1]
+
+
+def register_anthropic(app: Quart, worker: Worker) -> None:
+    name = worker.name
 
     @app.post("/v1/messages")
     async def messages():
-        req = _parse(MessagesRequest, parse_json_body(await request.get_data()))
-        chat, call = await ext["start"](ChatCompletionRequest, to_chat(req))
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        req, pipe = await worker.begin(messages_request)
+        mid = f"msg_{call_id().split('_', 1)[-1]}"
         if req.stream:
-            return streaming_response(ext["tracked"](call, _stream(call, mid),
-                                                     on_error=_stream_error))
-        await ext["run_to_end"](call)
-        ch = call.choices[0]
+            return worker.stream(pipe, _stream(pipe, mid))
+        r: ChoiceResult = (await worker.collect(pipe))[0]
         content: list[dict[str, Any]] = []
-        if ch.reasoning:
-            content.append({"type": "thinking", "thinking": "".join(ch.reasoning),
-                            "signature": ""})
-        if ch.text:
-            content.append({"type": "text", "text": ch.text})
-        for c in ch.calls:
-            content.append({"type": "tool_use", "id": _tool_id(c), "name": c["name"],
-                            "input": c["arguments"]})
-        reason, seq = _stop_reason(call, 0)
+        if r.reasoning:
+            content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
+        if r.text:
+            content.append({"type": "text", "text": r.text})
+        for c in r.calls:
+            content.append({"type": "tool_use", "id": _tool_id(c), "name": c.name,
+                            "input": c.arguments})
+        reason, seq = _stop_reason(r.finish, bool(r.calls))
         return {"id": mid, "type": "message", "role": "assistant", "model": name,
                 "content": content, "stop_reason": reason, "stop_sequence": seq,
-                "usage": _usage(call)}
+                "usage": _usage(pipe)}
 
-    async def _stream(call, mid: str):
+    async def _stream(pipe: Pipeline, mid: str):
         yield _event("message_start", {"message": {
             "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}})
+            "usage": {"input_tokens": pipe.prompt_tokens, "output_tokens": 0}}})
         yield _event("ping", {})
-        index, open_kind = -1, None
-        async for batch in call.events():
+        index, open_kind, calls, finish = -1, None, 0, None
+        async for batch in pipe.events():
             out = []
             for ev in batch:
-                if call.decoders[ev.index].done:
-                    continue
-                for kind, value in call.feed(ev):
-                    if kind == "call":
-                        if open_kind:
-                            out.append(_event("content_block_stop", {"index": index}))
-                        index += 1
-                        open_kind = None
-                        out.append(_event("content_block_start", {"index": index,
-                                   "content_block": {"type": "tool_use", "id": _tool_id(value),
-                                                     "name": value["name"], "input": {}}}))
-                        out.append(_event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta",
-                            "partial_json": json.dumps(value["arguments"])}}))
+                if isinstance(ev, ToolCall):
+                    if open_kind:
                         out.append(_event("content_block_stop", {"index": index}))
-                        continue
-                    if not value:
-                        continue
-                    block = "thinking" if kind == "reasoning" else "text"
+                    index, open_kind, calls = index + 1, None, calls + 1
+                    out.append(_event("content_block_start", {"index": index,
+                               "content_block": {"type": "tool_use", "id": _tool_id(ev),
+                                                 "name": ev.name, "input": {}}}))
+                    out.append(_event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": ev.arguments_json}}))
+                    out.append(_event("content_block_stop", {"index": index}))
+                elif isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
+                    block = "thinking" if isinstance(ev, ReasoningDelta) else "text"
                     if open_kind != block:
                         if open_kind:
                             out.append(_event("content_block_stop", {"index": index}))
-                        index += 1
-                        open_kind = block
+                        index, open_kind = index + 1, block
                         out.append(_event("content_block_start", {
-                            "index": index, "content_block": {"type": block, block: ""}
+                            "index": index, "content_block": {"type": "text", "text": ""}
                             if block == "text" else {"type": "thinking", "thinking": "",
                                                      "signature": ""}}))
-                    delta = {"type": "text_delta", "text": value} if block == "text" else \
-                        {"type": "thinking_delta", "thinking": value}
+                    delta = {"type": "text_delta", "text": ev.text} if block == "text" \
+                        else {"type": "thinking_delta", "thinking": ev.text}
                     out.append(_event("content_block_delta", {"index": index, "delta": delta}))
+                elif isinstance(ev, Finish):
+                    finish = ev
+                elif isinstance(ev, Done):
+                    if open_kind:
+                        out.append(_event("content_block_stop", {"index": index}))
+                    reason, seq = _stop_reason(finish, calls > 0)
+                    out.append(_event("message_delta", {
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": {"output_tokens": pipe.completion_tokens}}))
+                    out.append(_event("message_stop", {}))
             if out:
                 yield "".join(out)
-        if open_kind:
-            yield _event("content_block_stop", {"index": index})
-        reason, seq = _stop_reason(call, 0)
-        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                       "usage": {"output_tokens": call.completion_tokens}})
-        yield _event("message_stop", {})
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():
-        req = _parse(CountTokensRequest, parse_json_body(await request.get_data()))
-        info = ext["model_info"]()
-        chat = ChatCompletionRequest.model_validate(to_chat(req))
-        return {"input_tokens": len(chat_prompt(info, chat))}
+        from quart import request
+
+        from ..wire import parse_json_body
+
+        req = parse_model(CountTokensRequest, parse_json_body(await request.get_data()))
+        chat = GenRequest(messages=_messages(req), tools=_tools(req))
+        return {"input_tokens": len(chat_prompt(worker.model_info(), chat))}
 
 
-def _tool_id(call: dict) -> str:
-    if "anthropic_id" not in call:
-        call["anthropic_id"] = f"toolu_{uuid.uuid4().hex[:24]}"
-    return call["anthropic_id"]
-
-
-def _usage(call) -> dict[str, int]:
-    return {"input_tokens": call.prompt_tokens, "output_tokens": call.completion_tokens,
-            "cache_read_input_tokens": call.gen.cached_tokens}
-
-
-def _stream_error(err: APIError) -> str:
-    from ..wire import anthropic_body
-
-    body = anthropic_body(err)
-    return f"event: error\ndata: {json.dumps(body)}\n\n"
+def _usage(pipe: Pipeline) -> dict[str, int]:
+    return {"input_tokens": pipe.prompt_tokens, "output_tokens": pipe.completion_tokens,
+            "cache_read_input_tokens": pipe.gen.cached_tokens}

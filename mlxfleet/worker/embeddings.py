@@ -207,37 +207,15 @@ def encode_vector(v: list[float], fmt: str) -> Union[list[float], str]:
 
 
 def create_embedding_app(engine: EmbeddingEngine, name: str):
-    """The worker app for an embedding model: /v1/embeddings plus health and status."""
+    """The worker app for an embedding model: /v1/embeddings plus the common routes."""
     from quart import Quart, request
 
-    from .. import blas
-    from ..wire import APIError, install_error_handlers, parse_json_body, parse_model
+    from ..wire import APIError, parse_json_body, parse_model
+    from .app import common_routes
 
     app = Quart("mlxfleet.embeddings")
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60, MAX_CONTENT_LENGTH=32 << 20)
-    install_error_handlers(app)
-    started = time.time()
-
-    @app.get("/health")
-    async def health():
-        ok = engine.state == "ready"
-        body = {"status": "ok" if ok else engine.state, "model": name, "state": engine.state,
-                "source": engine.source, "task": "embedding", "blas": blas.active}
-        if engine.error:
-            body["error"] = engine.error
-        return body, 200 if ok else 503
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "task": "embedding",
-                                            "created": int(started), "owned_by": "mlxfleet"}]}
-
-    @app.get("/v1/status")
-    async def status():
-        return {"status": engine.state, "model": name, "task": "embedding",
-                "uptime_s": round(time.time() - started, 3),
-                "load_seconds": engine.load_seconds, "requests_total": engine.requests_total,
-                "prompt_tokens_total": engine.tokens_total, "blas": blas.active}
+    common_routes(app, name, "embedding", engine, lambda: {
+        "requests_total": engine.requests_total, "prompt_tokens_total": engine.tokens_total})
 
     @app.post("/v1/embeddings")
     async def embeddings():
@@ -277,12 +255,5 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
                           "embedding": encode_vector(v, req.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
-
-    @app.post("/v1/chat/completions")
-    @app.post("/v1/completions")
-    @app.post("/v1/messages")
-    async def not_generative():
-        raise APIError(400, f"Model '{name}' is an embedding model; use /v1/embeddings.",
-                       param="model", code="wrong_task")
 
     return app

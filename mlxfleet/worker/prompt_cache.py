@@ -1,13 +1,19 @@
 """Prefix reuse across requests, within the worker's KV memory budget.
 
-A thin layer over mlx_lm's ``LRUPromptCache`` (trie lookup, LRU eviction,
-trimming) that adds what serving needs: hit kinds for status, the exact-hit
-pitfall handled, and a byte budget shared with the KV of running sequences.
+An LRU of retained KV caches keyed by token prefix, on mlx_lm's ``PromptTrie``
+and its cache trimming helpers. It is written here rather than used as
+mlx_lm's ``LRUPromptCache`` because serving needs to look before it copies: a
+lookup that classifies the hit (exact, prefix, longest common prefix) without
+deep-copying a cache, so that tiny reuses are skipped, and only public API
+(``LRUPromptCache`` keeps its trie private). Same semantics otherwise: an exact
+hit, a stored prefix, or a longer entry trimmed back to the common prefix.
 Used only on the engine thread (the caches are MLX arrays).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,19 +31,23 @@ class CacheStats:
     evictions: int = 0
 
 
+@dataclass
+class _Entry:
+    cache: list[Any]
+    nbytes: int
+
+
 class PromptCache:
     """Retained KV caches keyed by token prefix, kept under ``budget_bytes``."""
 
     def __init__(self, budget_bytes: int):
-        from mlx_lm.models.cache import LRUPromptCache
+        from mlx_lm.models.cache import PromptTrie
 
         self.budget = budget_bytes
-        self._lru = LRUPromptCache(max_size=1 << 30, max_bytes=budget_bytes)
+        self._trie = PromptTrie()
+        self._lru: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
+        self.nbytes = 0
         self.stats = CacheStats()
-
-    @property
-    def nbytes(self) -> int:
-        return self._lru.nbytes
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -50,44 +60,60 @@ class PromptCache:
         """
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        found = self._lru._trie.search(_KEY, tokens)  # classify the hit for status
-        reusable = len(tokens) if found.exact is not None else max(
-            found.common_prefix if found.longer is not None else 0, len(found.shorter or []))
-        if reusable < MIN_REUSE_TOKENS:
-            self.stats.misses += 1
-            return None, tokens, None
-        cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
-        if cache is None:
-            self.stats.misses += 1
-            return None, tokens, None
-        if not rest:
-            if not can_trim_prompt_cache(cache):
-                self.stats.misses += 1
-                return None, tokens, None
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
+        found = self._trie.search(_KEY, tokens)
+        short = len(found.shorter) if found.shorter is not None else 0
         if found.exact is not None:
-            kind = "exact"
-        elif found.longer is not None and len(tokens) - len(rest) > len(found.shorter or []):
-            kind = "lcp"
+            kind, key, keep = "exact", found.exact, len(tokens)
+        elif found.longer is not None and found.common_prefix > short:
+            kind, key, keep = "lcp", found.longer, min(len(tokens) - 1, found.common_prefix)
+        elif short:
+            kind, key, keep = "prefix", found.shorter, short
         else:
-            kind = "prefix"
+            kind, key, keep = None, None, 0
+        entry = self._lru.get(tuple(key)) if key is not None else None
+        if entry is None or keep < MIN_REUSE_TOKENS or (
+                kind != "prefix" and not can_trim_prompt_cache(entry.cache)):
+            self.stats.misses += 1
+            return None, tokens, None
+        self._lru.move_to_end(tuple(key))
+        cache = copy.deepcopy(entry.cache)
+        trim = len(key) - keep
+        if keep == len(tokens):  # exact: leave the last token to prefill
+            trim, keep = trim + 1, keep - 1
+        if trim:
+            trim_prompt_cache(cache, trim)
         self.stats.hits[kind] += 1
-        self.stats.cached_tokens_total += len(tokens) - len(rest)
-        return cache, rest, kind
+        self.stats.cached_tokens_total += keep
+        return cache, tokens[keep:], kind
 
     def store(self, tokens: list[int], cache: list[Any], room: int) -> None:
         """Keep ``cache`` for ``tokens``, then fit the whole cache into ``room`` bytes."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
         if not tokens or room <= 0:
             return
-        self._lru.insert_cache(_KEY, list(tokens), cache)
+        key = tuple(tokens)
+        entry = _Entry(cache, sum(c.nbytes for c in cache))
+        old = self._trie.add(_KEY, list(tokens), entry)
+        if old is not None:
+            self.nbytes -= old.nbytes
+            self._lru.pop(key, None)
+        self._lru[key] = entry
+        self.nbytes += entry.nbytes
+        if can_trim_prompt_cache(cache):  # stored prefixes are now redundant
+            for n, prefix in self._trie.pop_prefixes(_KEY, list(tokens)):
+                self.nbytes -= prefix.nbytes
+                self._lru.pop(key[:n], None)
         self.trim(room)
 
     def trim(self, room: int) -> None:
         """Drop least recently used entries until the cache fits in ``room`` bytes."""
-        before = len(self._lru)
-        self._lru.trim_to(n_bytes=max(0, min(room, self.budget)))
-        self.stats.evictions += before - len(self._lru)
+        room = max(0, min(room, self.budget))
+        while self._lru and self.nbytes > room:
+            key, entry = self._lru.popitem(last=False)
+            self._trie.pop(_KEY, list(key))
+            self.nbytes -= entry.nbytes
+            self.stats.evictions += 1
 
     def status(self) -> dict[str, Any]:
         s = self.stats

@@ -87,6 +87,7 @@ class SamplingFields(_Model):
     stream_interval: Optional[int] = Field(default=None, ge=1, le=1024,
                                            description="tokens per streamed chunk")
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    skip_special_tokens: bool = True  # vLLM's: hide special tokens from the text
 
     @field_validator("stop")
     @classmethod
@@ -123,15 +124,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens or self.max_tokens
-
-    @property
-    def num_logprobs(self) -> Optional[int]:
-        """None when logprobs are off, else how many alternatives to return."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
@@ -145,10 +137,4 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be an empty list")
         return v
 
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        return self.max_tokens
 
-    @property
-    def num_logprobs(self) -> Optional[int]:
-        return self.logprobs

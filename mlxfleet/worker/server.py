@@ -11,27 +11,13 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
 from typing import Optional
 
-from .completions import ModelDefaults
-from .engine import Engine, EngineConfig
+from .config import WorkerConfig
 
 log = logging.getLogger("mlxfleet.worker")
 
 PARENT_FD_ENV = "MLXFLEET_PARENT_FD"  # set by the supervisor (see supervisor/process.py)
-
-
-@dataclass
-class WorkerOptions:
-    source: str
-    name: str
-    bind: str = "127.0.0.1:8001"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    defaults: ModelDefaults = field(default_factory=ModelDefaults)
-    max_queue: int = 256
-    drain_timeout: float = 30.0
-    task: str = "generate"  # or "embedding"
 
 
 def _hypercorn_bind(bind: str) -> str:
@@ -43,44 +29,46 @@ def _hypercorn_bind(bind: str) -> str:
     return bind
 
 
-async def serve_worker(opts: WorkerOptions, stop: Optional[asyncio.Event] = None) -> None:
+async def serve_worker(config: WorkerConfig, bind: str,
+                       stop: Optional[asyncio.Event] = None) -> None:
     """Load the model on the engine thread and serve HTTP until stopped."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from .app import WorkerLimits, create_app
+    from .app import create_app
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    if opts.task == "embedding":
+    if config.task == "embedding":
         from .embeddings import EmbeddingEngine, create_embedding_app
 
-        engine = EmbeddingEngine(opts.source, opts.engine.revision)
-        app = create_embedding_app(engine, opts.name)
+        engine = EmbeddingEngine(config.source, config.revision)
+        app = create_embedding_app(engine, config.name)
     else:
-        engine = Engine(opts.source, opts.engine)
-        app = create_app(engine, opts.name, opts.defaults,
-                         WorkerLimits(max_queue=opts.max_queue))
-    config = Config()
-    config.bind = [_hypercorn_bind(opts.bind)]
-    config.graceful_timeout = opts.drain_timeout
-    config.keep_alive_timeout = 75  # clients (and the gateway) keep connections pooled
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
+        from .engine import Engine
+
+        engine = Engine(config)
+        app = create_app(engine)
+    hc = Config()
+    hc.bind = [_hypercorn_bind(bind)]
+    hc.graceful_timeout = config.drain_timeout
+    hc.keep_alive_timeout = 75  # clients (and the gateway) keep connections pooled
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
     _watch_parent(loop, stop)
     engine.start(loop)
-    log.info("worker %s serving %s on %s", opts.name, opts.source, opts.bind)
+    log.info("worker %s serving %s on %s", config.name, config.source, bind)
     try:
-        await serve(app, config, shutdown_trigger=stop.wait)
+        await serve(app, hc, shutdown_trigger=stop.wait)
     finally:
-        log.info("worker %s stopping", opts.name)
+        log.info("worker %s stopping", config.name)
         await loop.run_in_executor(None, engine.stop)
-        if opts.bind.startswith("unix:"):
+        if bind.startswith("unix:"):
             try:
-                os.unlink(opts.bind[len("unix:"):])
+                os.unlink(bind[len("unix:"):])
             except FileNotFoundError:
                 pass
 
@@ -107,6 +95,6 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     loop.add_reader(fd, on_readable)
 
 
-def run_worker(opts: WorkerOptions) -> int:
-    asyncio.run(serve_worker(opts))
+def run_worker(config: WorkerConfig, bind: str) -> int:
+    asyncio.run(serve_worker(config, bind))
     return 0

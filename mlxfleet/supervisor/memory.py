@@ -1,0 +1,51 @@
+"""What a model's workers get and cost in memory, as the scheduler sees it (a part of
+ModelRuntime).
+
+A footprint is max(estimate, measured): the estimate is the weights on disk,
+the KV cache budget and a per-worker overhead; the measurement is the serving
+worker's resident memory, once there is one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..worker.config import WorkerConfig
+from .scheduler import Candidate
+from .worker_config import worker_config
+
+
+class MemoryAccount:
+    """Mixed into ModelRuntime, whose fields it reads."""
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """What this model's workers are started with (manifest + server defaults)."""
+        if self._config_for is not self.manifest:
+            self._config, self._config_for = worker_config(self.manifest, self.settings), \
+                self.manifest
+        return self._config
+
+    def cache_bytes(self) -> int:
+        return self.worker_config.cache_bytes
+
+    def estimated_bytes(self) -> int:
+        return ((self.weight_bytes or 0) + self.cache_bytes()
+                + (self.settings.worker_overhead_mb << 20))
+
+    def memory_bytes(self) -> Optional[int]:
+        w = self.current
+        return w.memory_bytes() if w is not None else None
+
+    def footprint(self) -> int:
+        rss = self.memory_bytes()
+        if rss:
+            self.measured_bytes = max(self.measured_bytes or 0, rss)
+        return max(self.estimated_bytes(), self.measured_bytes or 0)
+
+    def candidate(self) -> Candidate:
+        s = self.manifest.spec
+        busy = self.inflight > 0 or self.starting is not None or (
+            self.want_loaded and not self.ready)
+        return Candidate(self.name, self.footprint(), self.holds_memory, busy, s.pinned,
+                         s.priority, self.last_used or self.created)

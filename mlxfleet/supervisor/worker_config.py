@@ -1,0 +1,37 @@
+"""The worker's configuration for a manifest, with the server's defaults filled in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..manifest import Manifest
+from ..worker.config import WorkerConfig, cache_budget
+
+
+def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
+    """The worker's configuration for a manifest: the spec's values, else the server's
+    defaults (``server`` settings), else the worker's own."""
+    s = m.spec
+
+    def pick(own, setting: str):
+        return own if own is not None else getattr(server, setting, None)
+
+    fields = {
+        "name": m.name, "source": s.source, "revision": s.revision, "task": s.task,
+        "trust_remote_code": s.trust_remote_code,
+        "max_concurrency": s.batching.max_concurrency, "max_queue": s.batching.max_queue,
+        "prefill_batch_size": s.batching.prefill_batch_size,
+        "prefill_step_size": s.batching.prefill_step_size,
+        "cache_bytes": cache_budget(s.cache.memory_mb, s.cache.memory_percent,
+                                    getattr(server, "default_cache_mb", None)),
+        "max_tokens": pick(s.defaults.max_tokens, "max_tokens"),
+        "max_request_tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
+        "max_prompt_tokens": pick(s.limits.max_prompt_tokens, "max_prompt_tokens"),
+        "temperature": pick(s.defaults.temperature, "default_temperature"),
+        "top_p": pick(s.defaults.top_p, "default_top_p"),
+        "top_k": s.defaults.top_k,
+        "stream_interval": pick(s.defaults.stream_interval, "stream_interval"),
+        "tool_call_parser": s.parsers.tool_call, "reasoning_parser": s.parsers.reasoning,
+        "drain_timeout": getattr(server, "drain_timeout", None),
+    }
+    return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})

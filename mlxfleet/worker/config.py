@@ -1,0 +1,81 @@
+"""One worker's configuration: the one typed object a worker is started with.
+
+The supervisor builds it from a manifest's spec and the server's defaults
+(``supervisor/process.py: worker_config``); ``mlxfleet worker`` builds it from its
+flags. The defaults written here are the only defaults: the manifest leaves a
+field unset (None) to mean "the server's setting, else this default".
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class WorkerConfig(BaseModel):
+    """Everything one worker needs to serve one model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="the model name clients send as `model`")
+    source: str = Field(min_length=1, description="builtin:NAME, a directory or a HF repo id")
+    revision: Optional[str] = None
+    task: Literal["generate", "embedding"] = "generate"
+    trust_remote_code: bool = False
+
+    max_concurrency: int = Field(16, ge=1, le=1024,
+                                 description="sequences decoded together in one batch")
+    max_queue: int = Field(64, ge=0, description="requests that may wait for this model (for "
+                           "its load, or for a batch slot beyond maxConcurrency) before new "
+                           "ones get 503")
+    prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled in one pass")
+    prefill_step_size: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
+    cache_bytes: int = Field(1 << 30, gt=0, description="KV memory budget: running "
+                             "sequences plus retained prompt caches")
+
+    max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
+                            "no max_tokens (clipped to the context)")
+    max_request_tokens: Optional[int] = Field(None, ge=1, description="the largest "
+                                              "max_tokens a request may ask for (400 above)")
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="the longest prompt, in "
+                                             "tokens (400 above)")
+
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk")
+    tool_call_parser: Optional[str] = Field(None, description="tool-call format (None or "
+                                            "auto: from the chat template)")
+    reasoning_parser: Optional[str] = Field(None, description="qwen3 or deepseek_r1")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for "
+                                 "in-flight requests")
+
+    @model_validator(mode="after")
+    def _parsers(self):
+        from .parsers import REASONING_PARSERS, TOOL_PARSERS
+
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one "
+                             f"of: {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one "
+                             f"of: {', '.join(REASONING_PARSERS)}")
+        return self
+
+
+def default(field: str):
+    """The default of a ``WorkerConfig`` field (for descriptions elsewhere)."""
+    return WorkerConfig.model_fields[field].default
+
+
+def cache_budget(memory_mb: Optional[int], memory_percent: Optional[float],
+                 default_mb: Optional[int] = None) -> int:
+    """KV budget in bytes from MiB or a share (0-1) of physical memory."""
+    if memory_percent is not None:
+        import psutil
+
+        return int(psutil.virtual_memory().total * memory_percent)
+    if memory_mb is not None:
+        return memory_mb << 20
+    return default_mb << 20 if default_mb is not None else default("cache_bytes")

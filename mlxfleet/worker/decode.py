@@ -1,0 +1,72 @@
+"""Tokens to text on the engine thread: streaming detokenizer, stop strings, special tokens.
+
+Matching stop strings where the tokens are made lets the engine drop a
+finished sequence from the batch in the same step, with no round trip to the
+event loop. mlx_lm's streaming detokenizer and ``TextStateMachine`` do the work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mlx_lm.generate import TextStateMachine
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Tokens hidden from the output by default (vLLM's ``skip_special_tokens``): the
+    tokenizer's special tokens and added tokens marked special. Added tokens that are
+    not special (``<tool_call>``, ``<think>`` in Qwen-style vocabularies) stay visible:
+    the tool-call and reasoning parsers need them."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    for i, tok in (getattr(inner, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return frozenset(ids)
+
+
+class SequenceDecoder:
+    """One sequence's visible text, token by token."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], skip: frozenset[int]):
+        self._detok = tokenizer.detokenizer
+        self._stops = stops
+        self._skip = skip
+        self._sm = TextStateMachine({"normal": [(s, None) for s in stops]}) if stops else None
+        self._state = self._sm.make_state() if self._sm else None
+        self._raw = ""
+        self.text_len = 0  # characters shown so far
+        self.finish_reason: Optional[str] = None
+        self.stop_sequence: Optional[str] = None  # which stop string ended it
+
+    def feed(self, token: int, finish_reason: Optional[str]) -> str:
+        """Consume one token (``finish_reason`` from the batch: stop on EOS, length);
+        return the text that may now be shown. Sets ``finish_reason`` when done,
+        to "stop" when a stop string appeared in the text."""
+        eos = finish_reason == "stop"  # the batch stops on EOS tokens only
+        if not eos and token not in self._skip:
+            self._detok.add_token(token)
+        if finish_reason is not None:
+            self._detok.finalize()
+        out = self._filter(self._detok.last_segment)
+        if self.finish_reason is None and finish_reason is not None:
+            self.finish_reason = finish_reason
+            if self._state is not None:  # not a stop string after all: show it
+                self._state, tail, _ = TextStateMachine.flush(self._state)
+                out += tail
+        self.text_len += len(out)
+        return out
+
+    def _filter(self, segment: str) -> str:
+        if self._sm is None or not segment or self.finish_reason is not None:
+            return segment if self.finish_reason is None else ""
+        self._raw += segment
+        self._state, segments = TextStateMachine.split(self._state, segment)
+        out = "".join(t for s, t in segments if s is not None)
+        if self._state[0] is None:
+            self.finish_reason = "stop"
+            self._state = None
+            cut = self.text_len + len(out)
+            found = [(self._raw.find(s, cut), s) for s in self._stops]
+            self.stop_sequence = min((f for f in found if f[0] >= 0), default=(0, None))[1]
+        return out

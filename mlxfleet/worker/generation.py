@@ -1,0 +1,67 @@
+"""What the engine hands back: a generation's handle, its token events, and counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one sequence (``index`` = choice index), with the text it
+    made visible and, on the last token, why the sequence ended."""
+
+    index: int
+    token: int
+    text: str
+    finish_reason: Optional[str]
+    stop_sequence: Optional[str] = None
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+
+
+@dataclass
+class EngineError:
+    """Delivered instead of tokens when the engine could not run a request."""
+
+    message: str
+
+
+class Generation:
+    """A handle on one request's sequences; tokens arrive on ``events``."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, n: int):
+        self.prompts = prompts
+        self.params = params
+        self.n = n
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.uids: list[int] = []
+        self.submitted_at = time.monotonic()
+        self.cancelled = False
+        self.cached_tokens = 0  # prompt tokens served from the prompt cache
+        self.cache_hit: Optional[str] = None
+        # Written by the engine thread, read by /v1/status: queued -> prefill -> generation.
+        self.phase = "queued"
+        self.started_at: Optional[float] = None
+        self.first_token_at: Optional[float] = None
+        self.generated = 0
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.n
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+    peak_running: int = 0
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cancelled_total: int = 0

@@ -1,0 +1,261 @@
+"""OpenAI's chat and text completions: request conversion and response formatting.
+
+Both routes convert to a ``GenRequest``, take a ``Pipeline`` from the worker,
+and format its events as OpenAI's JSON or SSE chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from quart import Quart
+
+from ..wire import APIError, parse_model, sse
+from .app import Worker
+from .pipeline import Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
+from .prompts import GenRequest, new_id, now
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+
+def _sampling(req: SamplingFields) -> dict[str, Any]:
+    return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, seed=req.seed, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias={int(k): v for k, v in req.logit_bias.items()}
+                if req.logit_bias else None,
+                stop=req.stop_list, n=req.n, stream=req.stream,
+                stream_interval=req.stream_interval, ignore_eos=req.ignore_eos,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                skip_special_tokens=req.skip_special_tokens)
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    if m.has_image():
+        raise APIError(400, "This model does not accept images.",
+                       param=f"messages[{i}].content", code="unsupported_content")
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                         "content": m.text()}
+    if m.name:
+        d["name"] = m.name
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for tc in m.tool_calls:
+            args = tc.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    pass  # templates accept the raw string too
+            calls.append({"id": tc.id, "type": "function",
+                          "function": {"name": tc.function.name, "arguments": args}})
+        d["tool_calls"] = calls
+    return d
+
+
+def _response_schema(rf: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema") or {}
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be an object with a "
+                           "'schema'.", param="response_format", code="invalid_value")
+        return js.get("schema") or {"type": "object"}
+    raise APIError(400, f"Unknown response_format type '{kind}'; use text, json_object "
+                   "or json_schema.", param="response_format", code="invalid_value")
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        if not isinstance(name, str):
+            raise APIError(400, "tool_choice must name a function: "
+                           '{"type": "function", "function": {"name": ...}}',
+                           param="tool_choice", code="invalid_value")
+        return {"name": name}
+    return choice
+
+
+def chat_request(body: dict[str, Any]) -> GenRequest:
+    req = parse_model(ChatCompletionRequest, body)
+    return GenRequest(
+        messages=[_message(m, i) for i, m in enumerate(req.messages)],
+        tools=req.tools, tool_choice=_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        response_schema=_response_schema(req.response_format),
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        **_sampling(req))
+
+
+def completion_request(body: dict[str, Any]) -> GenRequest:
+    req = parse_model(CompletionRequest, body)
+    prompt = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    return GenRequest(prompts=prompt, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                      echo=req.echo, prompt_param="prompt", **_sampling(req))
+
+
+def tool_call_json(call: ToolCall, with_index: bool = False) -> dict[str, Any]:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments_json}}
+    if with_index:
+        out["index"] = call.call_index
+    return out
+
+
+def _token(tok: Any, token: int, lp: float) -> dict[str, Any]:
+    s = tok.decode([token])
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
+def chat_logprobs(tok: Any, events: list) -> dict[str, Any]:
+    return {"content": [
+        {**_token(tok, ev.token, ev.logprob),
+         "top_logprobs": [_token(tok, t, lp) for t, lp in (ev.top_logprobs or [])]}
+        for ev in events]}
+
+
+def completion_logprobs(tok: Any, events: list, offset: int = 0) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for ev in events:
+        offsets.append(offset)
+        s = tok.decode([ev.token])
+        tokens.append(s)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [ev.logprob for ev in events],
+            "top_logprobs": [{tok.decode([t]): lp for t, lp in (ev.top_logprobs or [])}
+                             for ev in events],
+            "text_offset": offsets}
+
+
+def register_openai(app: Quart, worker: Worker) -> None:
+    name = worker.name
+
+    def tokenizer():
+        return worker.model_info().tokenizer
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions():
+        req, pipe = await worker.begin(chat_request)
+        rid, created = new_id("chatcmpl"), now()
+        if req.stream:
+            return worker.stream(pipe, _chat_stream(pipe, req, rid, created))
+        choices = []
+        for i, r in enumerate(await worker.collect(pipe)):
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": r.text if r.text or not r.calls else None,
+                                   "refusal": None}
+            if r.reasoning:
+                msg["reasoning"] = msg["reasoning_content"] = r.reasoning
+            if r.calls:
+                msg["tool_calls"] = [tool_call_json(c) for c in r.calls]
+            choices.append({"index": i, "message": msg,
+                            "logprobs": chat_logprobs(tokenizer(), r.logprobs)
+                            if req.logprobs is not None else None,
+                            "finish_reason": r.finish.reason if r.finish else None})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                "choices": choices, "usage": pipe.usage()}
+
+    async def _chat_stream(pipe: Pipeline, req: GenRequest, rid: str, created: int
+                           ) -> AsyncIterator[str]:
+        include_usage = req.include_usage
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": name}
+        extra = {"usage": None} if include_usage else {}
+        tok = tokenizer()
+
+        def chunk(index: int, delta: dict, finish: Optional[str] = None,
+                  logprobs: Any = None) -> str:
+            return sse({**base, "choices": [{"index": index, "delta": delta,
+                                             "logprobs": logprobs,
+                                             "finish_reason": finish}], **extra})
+
+        yield "".join(chunk(i, {"role": "assistant", "content": ""})
+                      for i in range(len(pipe.choices)))
+        async for batch in pipe.events():
+            out = []
+            for ev in batch:
+                if isinstance(ev, TextDelta):
+                    lp = chat_logprobs(tok, ev.logprobs) \
+                        if req.logprobs is not None and ev.logprobs else None
+                    out.append(chunk(ev.index, {"content": ev.text}, None, lp))
+                elif isinstance(ev, ReasoningDelta):
+                    out.append(chunk(ev.index, {"reasoning": ev.text,
+                                                "reasoning_content": ev.text}))
+                elif isinstance(ev, ToolCall):
+                    out.append(chunk(ev.index, {"tool_calls": [tool_call_json(ev, True)]}))
+                elif isinstance(ev, Finish):
+                    out.append(chunk(ev.index, {}, ev.reason))
+                elif isinstance(ev, Done) and include_usage:
+                    out.append(sse({**base, "choices": [], "usage": ev.usage}))
+            if out:
+                yield "".join(out)
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions():
+        req, pipe = await worker.begin(completion_request)
+        rid, created = new_id("cmpl"), now()
+        prompts = _prompt_texts(pipe, req, tokenizer()) if req.echo else None
+        if req.stream:
+            return worker.stream(pipe, _completion_stream(pipe, req, rid, created, prompts))
+        choices = []
+        for i, r in enumerate(await worker.collect(pipe)):
+            prefix = prompts[i // req.n] if prompts else ""
+            choices.append({
+                "index": i, "text": prefix + r.text,
+                "logprobs": completion_logprobs(tokenizer(), r.logprobs, len(prefix))
+                if req.logprobs is not None else None,
+                "finish_reason": r.finish.reason if r.finish else None})
+        return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": choices, "usage": pipe.usage()}
+
+    async def _completion_stream(pipe: Pipeline, req: GenRequest, rid: str, created: int,
+                                 prompts: Optional[list[str]]) -> AsyncIterator[str]:
+        include_usage = req.include_usage
+        base = {"id": rid, "object": "text_completion", "created": created, "model": name}
+        extra = {"usage": None} if include_usage else {}
+        tok = tokenizer()
+
+        def chunk(index: int, text: str, finish: Optional[str] = None,
+                  logprobs: Any = None) -> str:
+            return sse({**base, "choices": [{"index": index, "text": text,
+                                             "logprobs": logprobs,
+                                             "finish_reason": finish}], **extra})
+
+        if prompts:
+            yield "".join(chunk(i, prompts[i // req.n]) for i in range(len(pipe.choices)))
+        async for batch in pipe.events():
+            parts: list[list] = []  # [index, text, finish, logprobs]: a choice's last text
+            last: dict[int, list] = {}  # chunk carries its finish reason, as OpenAI sends it
+            for ev in batch:
+                if isinstance(ev, TextDelta):
+                    lp = completion_logprobs(tok, ev.logprobs) \
+                        if req.logprobs is not None and ev.logprobs else None
+                    last[ev.index] = [ev.index, ev.text, None, lp]
+                    parts.append(last[ev.index])
+                elif isinstance(ev, Finish):
+                    if ev.index in last:
+                        last.pop(ev.index)[2] = ev.reason
+                    else:
+                        parts.append([ev.index, "", ev.reason, None])
+            out = [chunk(*p) for p in parts]
+            if include_usage and isinstance(batch[-1], Done):
+                out.append(sse({**base, "choices": [], "usage": batch[-1].usage}))
+            if out:
+                yield "".join(out)
+        yield "data: [DONE]\n\n"
+
+
+def _prompt_texts(pipe: Pipeline, req: GenRequest, tok: Any) -> list[str]:
+    if all(isinstance(x, str) for x in req.prompts):
+        return list(req.prompts)
+    return [tok.decode(p) for p in pipe.gen.prompts]

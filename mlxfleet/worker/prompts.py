@@ -1,0 +1,230 @@
+"""From a generation request to token prompts, an output plan and sampling parameters.
+
+Everything here runs on the event loop and never touches MLX: the tokenizer is
+plain Python/Rust. Every protocol arrives here as the same ``GenRequest``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..wire import APIError
+from .config import WorkerConfig
+from .sampling import SamplingParams
+
+
+@dataclass
+class GenRequest:
+    """A protocol-neutral generation request (what every protocol is converted to)."""
+
+    messages: Optional[list[dict[str, Any]]] = None  # chat: chat-template message dicts
+    prompts: Optional[list[Any]] = None  # completions: strings or token lists
+    tools: Optional[list[dict[str, Any]]] = None  # OpenAI function-tool format
+    tool_choice: Any = None  # None, "auto", "none", "required" or {"name": NAME}
+    parallel_tool_calls: bool = True
+    response_schema: Optional[dict[str, Any]] = None  # JSON Schema the output must follow
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
+    stream: bool = False
+    stream_interval: Optional[int] = None
+    include_usage: bool = False  # a last streamed chunk with usage
+    echo: bool = False  # completions: the prompt before the completion
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    prompt_param: str = "messages"  # the field errors about the prompt name
+
+
+@dataclass
+class ModelInfo:
+    """What request handling needs to know about the loaded model."""
+
+    name: str
+    tokenizer: Any
+    context_length: Optional[int]
+    vocab_size: int
+    defaults: WorkerConfig
+
+
+def chat_prompt(info: ModelInfo, req: GenRequest) -> list[int]:
+    """Render the conversation with the model's chat template and tokenize it."""
+    tok = info.tokenizer
+    messages = req.messages or []
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    if not getattr(tok, "has_chat_template", False):
+        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+        return tok.encode(text + "assistant:")
+    try:
+        ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                      tokenize=True)
+    except Exception as e:  # noqa: BLE001 - a template error is the client's input problem
+        raise APIError(400, f"The chat template could not render these messages: {e}",
+                       param="messages", code="invalid_messages") from None
+    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@dataclass
+class OutputPlan:
+    """How a chat request's output is constrained and split (tools, reasoning, JSON)."""
+
+    grammar: Optional[str] = None
+    tool_format: Any = None  # a parsers.ToolFormat when tool calls are parsed
+    think: Optional[tuple[str, str]] = None
+    starts_in_reasoning: bool = False
+    forced_tool: bool = False  # tool_choice required/named: the output is one JSON call
+
+    def splitter(self, tools: Any):
+        from .parsers import OutputSplitter
+
+        if self.tool_format is None and self.think is None:
+            return None
+        return OutputSplitter(self.tool_format, tools, self.think, self.starts_in_reasoning)
+
+
+def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPlan:
+    """Grammar and parsers for a chat request; 400 for what cannot be honoured."""
+    from .grammar import GrammarError, check_grammar, json_schema_grammar, tool_call_schema
+    from .parsers import think_markers, tool_format
+
+    plan = OutputPlan()
+    tok = info.tokenizer
+    plan.think = think_markers(info.defaults.reasoning_parser, tok)
+    if plan.think:
+        tail = tok.decode(prompt[-8:]).rstrip()
+        plan.starts_in_reasoning = tail.endswith(plan.think[0])
+    choice = req.tool_choice
+    schema = None
+    if req.tools and (choice == "required" or isinstance(choice, dict)):
+        name = choice.get("name") if isinstance(choice, dict) else None
+        try:
+            schema = tool_call_schema(req.tools, name)
+        except (GrammarError, KeyError, TypeError) as e:
+            raise APIError(400, f"Invalid tools or tool_choice: {e}", param="tool_choice",
+                           code="invalid_value") from None
+        plan.forced_tool = True
+    elif req.tools and choice != "none":
+        plan.tool_format = tool_format(info.defaults.tool_call_parser, tok)
+    elif choice == "required" or isinstance(choice, dict):
+        raise APIError(400, "tool_choice requires tools.", param="tool_choice",
+                       code="invalid_value")
+    schema = schema or req.response_schema
+    if schema is not None:
+        try:
+            plan.grammar = json_schema_grammar(schema)
+            check_grammar(plan.grammar, tok, info.vocab_size)
+        except (GrammarError, ValueError, TypeError) as e:
+            raise APIError(400, f"The JSON schema cannot be enforced: {e}",
+                           param="response_format" if not plan.forced_tool else "tools",
+                           code="invalid_schema") from None
+    return plan
+
+
+def completion_prompts(info: ModelInfo, req: GenRequest) -> list[list[int]]:
+    """One token list per prompt (a completion request may carry several)."""
+    p = req.prompts or []
+    if all(isinstance(x, str) for x in p):
+        prompts = [info.tokenizer.encode(x) for x in p]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    else:
+        prompts = [list(x) for x in p]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt", code="empty_prompt")
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} in prompt {i} is outside the model's "
+                           f"vocabulary (0..{info.vocab_size - 1}).", param="prompt",
+                           code="invalid_token")
+    return prompts
+
+
+def sampling_params(info: ModelInfo, req: GenRequest,
+                    prompts: list[list[int]]) -> SamplingParams:
+    """Apply defaults and check token budgets against the model's limits and context."""
+    d = info.defaults
+    requested = req.max_tokens
+    longest = max(len(p) for p in prompts)
+    ctx = info.context_length
+    if d.max_request_tokens is not None and requested is not None \
+            and requested > d.max_request_tokens:
+        raise APIError(400, f"max_tokens is too large: {requested}. This server allows at "
+                       f"most {d.max_request_tokens} completion tokens.",
+                       param="max_tokens", code="invalid_value")
+    if d.max_prompt_tokens is not None and longest > d.max_prompt_tokens:
+        raise APIError(400, f"Your prompt has {longest} tokens; this server accepts at most "
+                       f"{d.max_prompt_tokens}.", param=req.prompt_param,
+                       code="prompt_too_long")
+    if ctx is not None:
+        if longest >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
+                           f"However, your prompt has {longest} tokens. Please shorten it.",
+                           param=req.prompt_param, code="context_length_exceeded")
+        if requested is not None and longest + requested > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
+                           f"However, you requested {longest + requested} tokens "
+                           f"({longest} in the prompt, {requested} in the completion). "
+                           "Please reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+    max_tokens = requested or d.max_tokens
+    if d.max_request_tokens is not None:
+        max_tokens = min(max_tokens, d.max_request_tokens)
+    if ctx is not None:
+        max_tokens = min(max_tokens, ctx - longest)
+    bias = req.logit_bias
+    if bias:
+        bad = [t for t in bias if t >= info.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is outside the model's "
+                           f"vocabulary (0..{info.vocab_size - 1}).", param="logit_bias",
+                           code="invalid_value")
+
+    def pick(own, default):
+        return own if own is not None else default
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=pick(req.temperature, d.temperature),
+        top_p=pick(req.top_p, d.top_p),
+        top_k=max(pick(req.top_k, d.top_k), 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty or None,
+        frequency_penalty=req.frequency_penalty or None,
+        logit_bias=bias or None,
+        logprobs=req.logprobs,
+        ignore_eos=req.ignore_eos,
+        stop=list(req.stop),
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def now() -> int:
+    return int(time.time())

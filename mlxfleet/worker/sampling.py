@@ -1,0 +1,102 @@
+"""Per-sequence generation settings, and the MLX samplers and logits processors they make.
+
+The objects are built on the engine thread (they hold MLX arrays); the
+parameters are plain values made on the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SamplingParams:
+    """Per-sequence generation settings, built into MLX objects on the engine thread."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
+    ignore_eos: bool = False
+    grammar: Optional[str] = None  # llguidance grammar the output must follow
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the engine thread
+    skip_special_tokens: bool = True  # hide special tokens from the text (vLLM's default)
+
+    def sampler_key(self) -> tuple:
+        return (self.temperature, self.top_p, self.min_p, self.top_k)
+
+
+class Samplers:
+    """Samplers shared by parameter value, so the batch samples in one call."""
+
+    def __init__(self) -> None:
+        self._shared: dict[tuple, Any] = {}
+
+    def get(self, p: SamplingParams, index: int):
+        if p.temperature == 0:
+            return None  # the batch's greedy fallback
+        if p.seed is not None:
+            return SeededSampler(p, p.seed + index)
+        key = p.sampler_key()
+        s = self._shared.get(key)
+        if s is None:
+            from mlx_lm.sample_utils import make_sampler
+
+            s = make_sampler(p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+            self._shared[key] = s
+        return s
+
+
+def logits_processors(p: SamplingParams, tokenizer: Any, vocab_size: int) -> list:
+    """One list per sequence: a grammar processor holds that sequence's parse state."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    procs = make_logits_processors(
+        logit_bias=p.logit_bias or None,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+    )
+    if p.grammar:
+        from .grammar import GrammarProcessor
+
+        procs.append(GrammarProcessor(p.grammar, tokenizer, vocab_size))
+    return procs
+
+
+class SeededSampler:
+    """A sampler with its own PRNG key, so ``seed`` is reproducible inside a batch.
+
+    mlx_lm's ``make_sampler`` draws from the global PRNG, which every sequence
+    in the batch shares; a seeded request needs a private key stream.
+    """
+
+    def __init__(self, p: SamplingParams, seed: int):
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self._mx = mx
+        self._key = mx.random.key(seed)
+        self._temp = p.temperature
+        self._filters = []
+        if 0 < p.top_p < 1:
+            self._filters.append(lambda x: apply_top_p(x, p.top_p))
+        if p.min_p:
+            self._filters.append(lambda x: apply_min_p(x, p.min_p))
+        if p.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, p.top_k))
+
+    def __call__(self, logprobs):
+        mx = self._mx
+        self._key, sub = mx.random.split(self._key)
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1 / self._temp), key=sub)

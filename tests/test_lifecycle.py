@@ -1,0 +1,246 @@
+"""The lifecycle decision as a table, and ModelRuntime + admission against fake workers.
+
+No process and no model here: ``tests/fakes.py`` stands in for workers (said
+there), so these tests pin the control plane's decisions: load, unload, crash
+and backoff, rolling replace, eviction, queue bounds, the one retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fakes import FakeFleet, until
+
+from mlxfleet.supervisor.admission import AdmissionError
+from mlxfleet.supervisor.handle import WorkerHandle, WorkerUnreachable
+from mlxfleet.supervisor.lifecycle import Desired, ModelPhase, Observed, Step, next_step
+
+H, OLD = "h-new", "h-old"
+
+
+@pytest.mark.parametrize("desired, observed, step", [
+    (Desired(True, True, H), Observed(H, True), Step.SHUTDOWN),
+    (Desired(False, True, H), Observed(None, False), Step.SHUTDOWN),
+    (Desired(False, False, H), Observed(None, False), Step.IDLE),
+    (Desired(False, False, H), Observed(H, True), Step.UNLOAD),
+    (Desired(False, False, H), Observed(None, True), Step.UNLOAD),  # still starting
+    (Desired(True, False, H), Observed(H, True), Step.SERVE),
+    (Desired(True, False, H), Observed(H, True, backoff_left=3), Step.SERVE),
+    (Desired(True, False, H), Observed(None, False), Step.START),
+    (Desired(True, False, H), Observed(None, False, backoff_left=2), Step.BACKOFF),
+    (Desired(True, False, H), Observed(OLD, True), Step.REPLACE),
+    (Desired(True, False, H), Observed(OLD, True, backoff_left=1), Step.BACKOFF),
+])
+def test_next_step(desired, observed, step):
+    assert next_step(desired, observed) is step
+
+
+def test_phase_is_the_vocabulary():
+    assert ModelPhase.BACKOFF == "CrashLoopBackOff" and f"{ModelPhase.READY}" == "Ready"
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    f = FakeFleet(tmp_path)
+    yield f
+    await f.close()
+
+
+def test_fake_is_a_worker_handle(tmp_path):
+    async def check():
+        f = FakeFleet(tmp_path)
+        f.write("a")
+        await f.sup.reload()
+        assert isinstance(f.sup.new_worker(f.sup.models["a"]), WorkerHandle)
+        await f.close()
+
+    asyncio.run(check())
+
+
+async def _loaded(f: FakeFleet, name: str):
+    rt = f.sup.models[name]
+    load = asyncio.create_task(f.sup.ready(rt, time.monotonic() + 5))
+    w = await until(lambda: rt.starting)
+    w.become_ready()
+    await load
+    return rt, w
+
+
+async def test_load_on_demand_then_unload(fleet):
+    fleet.write("a")
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    assert rt.phase is ModelPhase.UNLOADED and not fleet.workers
+    rt, w = await _loaded(fleet, "a")
+    assert rt.phase is ModelPhase.READY and rt.current is w
+    await fleet.sup.unload(rt)
+    assert rt.phase is ModelPhase.UNLOADED and rt.current is None
+    assert fleet.effects("a") == ["spawn", "ready", "stop"]
+
+
+async def test_crash_backs_off_then_restarts(fleet):
+    fleet.write("a", preload=True)
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    w1 = await until(lambda: rt.starting)
+    w1.become_ready()
+    await until(lambda: rt.ready)
+    w1.crash()
+    await until(lambda: rt.phase is ModelPhase.BACKOFF)
+    assert "exited unexpectedly" in rt.last_error
+    w2 = await until(lambda: rt.starting)  # after the (tiny) backoff
+    w2.become_ready()
+    await until(lambda: rt.ready)
+    assert rt.restarts == 1 and rt.current is w2
+    assert fleet.effects("a") == ["spawn", "ready", "crash", "spawn", "ready"]
+
+
+async def test_request_during_backoff_is_503_with_retry_after(tmp_path):
+    f = FakeFleet(tmp_path, backoff_base=30, backoff_cap=30)
+    try:
+        f.write("a", preload=True)
+        await f.sup.reload()
+        rt = f.sup.models["a"]
+        (await until(lambda: rt.starting)).become_ready()
+        await until(lambda: rt.ready)
+        rt.current.crash()
+        await until(lambda: rt.phase is ModelPhase.BACKOFF)
+        with pytest.raises(AdmissionError) as e:
+            await f.sup.acquire("a", time.monotonic() + 5)
+        assert e.value.status == 503 and e.value.code == "model_unavailable"
+        assert 20 < e.value.retry_after <= 30 and "Retry-After" in e.value.headers
+    finally:
+        await f.close()
+
+
+async def test_rolling_replace_keeps_serving_until_the_new_worker_is_ready(fleet):
+    fleet.write("a", preload=True)
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    (await until(lambda: rt.starting)).become_ready()
+    old = await until(lambda: rt.current if rt.ready else None)
+    fleet.write("a", preload=True, defaults={"temperature": 0.5})
+    await fleet.sup.reload()
+    new = await until(lambda: rt.starting)
+    assert rt.ready and rt.current is old  # the old one serves meanwhile
+    lease = await fleet.sup.acquire("a", time.monotonic() + 5)
+    assert lease.worker is old
+    new.become_ready()
+    await until(lambda: rt.current is new)
+    assert not old.stopping or old.inflight == 1  # draining waits for the lease
+    lease.release()
+    await until(lambda: old.returncode == 0)
+    assert rt.observed_generation == rt.generation == 2
+
+
+async def test_failed_replacement_leaves_the_old_worker_serving(fleet):
+    fleet.write("a", preload=True)
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    (await until(lambda: rt.starting)).become_ready()
+    old = await until(lambda: rt.current if rt.ready else None)
+    fleet.write("a", preload=True, defaults={"temperature": 0.5})
+    await fleet.sup.reload()
+    (await until(lambda: rt.starting)).fail_load("bad weights")
+    await until(lambda: rt.conditions.get("Progressing", {}).get("reason") == "NewWorkerFailed")
+    assert rt.ready and rt.current is old and rt.phase is ModelPhase.READY
+
+
+async def test_idle_model_is_evicted_to_make_room_but_a_busy_one_is_not(tmp_path):
+    f = FakeFleet(tmp_path, memory_budget="1GB", busy_wait_timeout=0.2)
+    try:
+        f.write("a", cache={"memoryMB": 600})
+        f.write("b", cache={"memoryMB": 600})
+        await f.sup.reload()
+        rt_a, _ = await _loaded(f, "a")
+        lease = await f.sup.acquire("a", time.monotonic() + 5)  # a is busy now
+        with pytest.raises(AdmissionError) as e:
+            await f.sup.acquire("b", time.monotonic() + 5)
+        assert e.value.code == "insufficient_memory" and rt_a.ready
+        lease.release()  # a is idle: b evicts it
+        rt_b = f.sup.models["b"]
+        load = asyncio.create_task(f.sup.ready(rt_b, time.monotonic() + 5))
+        (await until(lambda: rt_b.starting)).become_ready()
+        await load
+        assert rt_b.ready and not rt_a.holds_memory and rt_a.evictions == 1
+    finally:
+        await f.close()
+
+
+async def test_waiters_share_one_load_and_the_queue_is_bounded(fleet):
+    fleet.write("a", batching={"maxQueue": 2})
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    waiting = [asyncio.ensure_future(fleet.sup.acquire("a", time.monotonic() + 5))
+               for _ in range(2)]
+    await until(lambda: rt.waiters == 2)
+    with pytest.raises(AdmissionError) as e:
+        await fleet.sup.acquire("a", time.monotonic() + 5)
+    assert e.value.status == 503 and e.value.code == "queue_full"
+    rt.starting.become_ready()
+    leases = await asyncio.gather(*waiting)
+    assert rt.inflight == 2 and len(fleet.workers) == 1  # one load served both
+    for lease in leases:
+        lease.release()
+    assert rt.inflight == 0 and rt.waiters == 0
+
+
+async def test_a_failed_load_reaches_every_waiter(fleet):
+    fleet.write("a")
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    waiting = [asyncio.ensure_future(fleet.sup.acquire("a", time.monotonic() + 5))
+               for _ in range(3)]
+    await until(lambda: rt.waiters == 3 and rt.starting)
+    rt.starting.fail_load("no such weights")
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(r, AdmissionError) and r.code == "model_load_failed"
+               and "no such weights" in r.message for r in results)
+    assert rt.phase is ModelPhase.FAILED and rt.waiters == 0
+
+
+async def test_unknown_model_is_404_and_deadline_is_504(fleet):
+    fleet.write("a", aliases=["fast"])
+    await fleet.sup.reload()
+    with pytest.raises(AdmissionError) as e:
+        await fleet.sup.acquire("nope", time.monotonic() + 5)
+    assert e.value.status == 404 and "a, fast" in e.value.message
+    with pytest.raises(AdmissionError) as e:  # loads, but never becomes ready in time
+        await fleet.sup.acquire("fast", time.monotonic() + 0.1)
+    assert e.value.status == 504 and e.value.code == "timeout"
+
+
+async def test_lease_retries_once_when_the_worker_died_before_the_request(fleet):
+    fleet.write("a", preload=True)
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    (await until(lambda: rt.starting)).become_ready()
+    w1 = await until(lambda: rt.current if rt.ready else None)
+
+    def died():
+        w1.crash()
+        raise WorkerUnreachable("connection refused")
+
+    w1.forward_effects.append(died)
+    async with fleet.sup.acquire("a", time.monotonic() + 5) as lease:
+        send = asyncio.create_task(lease.send("POST", "/v1/chat/completions", b"{}", {}))
+        w2 = await until(lambda: rt.starting)
+        w2.become_ready()
+        assert await send == "ok"
+        assert lease.worker is w2 and w2.inflight == 1 and w1.inflight == 0
+    assert w2.inflight == 0
+    assert fleet.effects("a")[-3:] == ["spawn", "ready", "forward /v1/chat/completions"]
+
+
+async def test_keep_alive_zero_unloads_after_the_request(fleet):
+    fleet.write("a")
+    await fleet.sup.reload()
+    rt = fleet.sup.models["a"]
+    task = asyncio.ensure_future(fleet.sup.acquire("a", time.monotonic() + 5, keep_alive=0))
+    (await until(lambda: rt.starting)).become_ready()
+    lease = await task
+    assert rt.ready
+    lease.release()
+    await until(lambda: rt.phase is ModelPhase.UNLOADED)
