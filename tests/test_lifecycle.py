@@ -68,6 +68,15 @@ async def _loaded(f: FakeFleet, name: str):
     return rt, w
 
 
+async def _preloaded(f: FakeFleet, name: str):
+    """A preloaded model whose first worker is ready: (runtime, worker)."""
+    f.write(name, preload=True)
+    await f.sup.reload()
+    rt = f.sup.models[name]
+    (await until(lambda: rt.starting)).become_ready()
+    return rt, await until(lambda: rt.current if rt.ready else None)
+
+
 async def test_load_on_demand_then_unload(fleet):
     fleet.write("a")
     await fleet.sup.reload()
@@ -116,11 +125,7 @@ async def test_request_during_backoff_is_503_with_retry_after(tmp_path):
 
 
 async def test_rolling_replace_keeps_serving_until_the_new_worker_is_ready(fleet):
-    fleet.write("a", preload=True)
-    await fleet.sup.reload()
-    rt = fleet.sup.models["a"]
-    (await until(lambda: rt.starting)).become_ready()
-    old = await until(lambda: rt.current if rt.ready else None)
+    rt, old = await _preloaded(fleet, "a")
     fleet.write("a", preload=True, defaults={"temperature": 0.5})
     await fleet.sup.reload()
     new = await until(lambda: rt.starting)
@@ -129,18 +134,16 @@ async def test_rolling_replace_keeps_serving_until_the_new_worker_is_ready(fleet
     assert lease.worker is old
     new.become_ready()
     await until(lambda: rt.current is new)
-    assert not old.stopping or old.inflight == 1  # draining waits for the lease
+    await until(lambda: old.stopping)
+    await asyncio.sleep(0.05)
+    assert old.returncode is None  # draining waits for the lease
     lease.release()
     await until(lambda: old.returncode == 0)
     assert rt.observed_generation == rt.generation == 2
 
 
 async def test_failed_replacement_leaves_the_old_worker_serving(fleet):
-    fleet.write("a", preload=True)
-    await fleet.sup.reload()
-    rt = fleet.sup.models["a"]
-    (await until(lambda: rt.starting)).become_ready()
-    old = await until(lambda: rt.current if rt.ready else None)
+    rt, old = await _preloaded(fleet, "a")
     fleet.write("a", preload=True, defaults={"temperature": 0.5})
     await fleet.sup.reload()
     (await until(lambda: rt.starting)).fail_load("bad weights")
@@ -213,11 +216,7 @@ async def test_unknown_model_is_404_and_deadline_is_504(fleet):
 
 
 async def test_lease_retries_once_when_the_worker_died_before_the_request(fleet):
-    fleet.write("a", preload=True)
-    await fleet.sup.reload()
-    rt = fleet.sup.models["a"]
-    (await until(lambda: rt.starting)).become_ready()
-    w1 = await until(lambda: rt.current if rt.ready else None)
+    rt, w1 = await _preloaded(fleet, "a")
 
     def died():
         w1.crash()
