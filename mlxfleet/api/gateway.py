@@ -178,9 +178,15 @@ async def _stream_after_load(acquire: Any, target: tuple, timeout: float, settin
             lease.release()
         yield stream_error(err, path).encode()
         return
+    except BaseException:  # the client left while we waited: give the worker back
+        if lease is not None:
+            lease.release()
+        raise
     finally:
         if not load.done():
             load.cancel()
+        elif lease is None and not load.cancelled() and load.exception() is None:
+            load.result().release()  # acquired just as the client left
     if upstream.status_code != 200:  # e.g. a 400 from the worker: report it in-band
         body = await upstream.aread()
         await upstream.aclose()
