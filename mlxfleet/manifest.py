@@ -67,8 +67,8 @@ class BatchingSpec(_Spec):
         default=None, ge=1, le=1024,
         description=f"sequences decoded together (default {_d('max_concurrency')})")
     max_queue: Optional[int] = Field(
-        default=None, ge=0, description="requests that may wait for the model (for its load, "
-        f"or for a batch slot beyond maxConcurrency) before 503 (default {_d('max_queue')})")
+        default=None, ge=0, description="requests beyond maxConcurrency that may wait (for "
+        f"the model's load or for a batch slot) before 503 (default {_d('max_queue')})")
     prefill_batch_size: Optional[int] = Field(
         default=None, ge=1, description=f"prompts per prefill (default "
         f"{_d('prefill_batch_size')})")
@@ -266,6 +266,9 @@ def parse_text(text: str, file: str) -> FileResult:
     res = FileResult(file)
     try:
         docs = list(yaml.safe_load_all(text))
+    except RecursionError:
+        res.errors.append(ManifestError(file, "invalid YAML: nested too deeply"))
+        return res
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -302,18 +305,30 @@ def manifest_files(paths: list[Path]) -> list[Path]:
     return out
 
 
-def parse_file(path: Path) -> FileResult:
+#: Manifest files larger than this are refused unread (a typo'd path to a big file, or a
+#: hostile one, must not stall the watcher).
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def parse_file(path: Path, max_bytes: int = MAX_MANIFEST_BYTES) -> FileResult:
     try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            return FileResult(str(path), errors=[ManifestError(
+                str(path), f"the file is {size} bytes; manifests may be at most {max_bytes} "
+                "bytes (setting max_manifest_bytes)")])
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return FileResult(str(path), errors=[ManifestError(str(path), f"cannot read: {e}")])
     return parse_text(text, str(path))
 
 
-def check_unique(results: list[FileResult]) -> None:
-    """Names and aliases must be unique across files; a clash is an error of the later file."""
+def check_unique(results: list[FileResult], owners: frozenset[str] = frozenset()) -> None:
+    """Names and aliases must be unique across files. The files in ``owners`` (those whose
+    models already run) keep what they hold; otherwise the earlier file in name order wins.
+    A clash is an error of the newcomer, whatever the file names."""
     owner: dict[str, str] = {}  # name or alias -> "file (document N)"
-    for res in results:
+    for res in sorted(results, key=lambda r: r.file not in owners):
         if res.errors:
             continue
         for lm in res.models:
@@ -329,10 +344,12 @@ def check_unique(results: list[FileResult]) -> None:
                     owner[key] = here
 
 
-def load_paths(paths: list[Path]) -> list[FileResult]:
-    """Parse every manifest file under ``paths`` and check cross-file uniqueness."""
-    results = [parse_file(p) for p in manifest_files(paths)]
-    check_unique(results)
+def load_paths(paths: list[Path], owners: frozenset[str] = frozenset(),
+               max_bytes: int = MAX_MANIFEST_BYTES) -> list[FileResult]:
+    """Parse every manifest file under ``paths`` and check cross-file uniqueness
+    (``owners``: files whose names are taken first, see ``check_unique``)."""
+    results = [parse_file(p, max_bytes) for p in manifest_files(paths)]
+    check_unique(results, owners)
     return results
 
 

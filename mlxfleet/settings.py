@@ -39,6 +39,8 @@ class ServerSettings(BaseSettings):
     stable_period: float = Field(60.0, gt=0,
                                  description="seconds Ready that reset the crash backoff")
     reload_debounce_ms: int = Field(300, ge=0)
+    max_manifest_bytes: int = Field(1 << 20, gt=0, description="larger manifest files are "
+                                    "refused with an error, unread")
     request_wait_timeout: float = Field(
         300.0, gt=0, description="seconds a request waits for its model to become ready")
     sse_keepalive_interval: float = Field(

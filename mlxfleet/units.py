@@ -18,23 +18,34 @@ _BYTES = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
 
+#: The longest finite duration accepted (ten years); longer is a mistake, use -1 / forever.
+MAX_DURATION = 10 * 365 * 86400.0
+
+
 def parse_duration(v: Any) -> float:
-    """``30s``, ``5m``, ``1h30m``, a number of seconds, ``0``; ``-1``/``forever`` = infinity."""
+    """``30s``, ``5m``, ``1h30m``, a number of seconds, ``0``; ``-1``/``forever`` = infinity.
+    NaN, infinities and anything over ten years are errors."""
     if isinstance(v, bool):
         raise ValueError("expected a duration such as 30s, 5m, 1h, 0 or -1")
     if isinstance(v, (int, float)):
+        if math.isnan(v) or math.isinf(v):
+            raise ValueError(f"{v!r} is not a duration (use -1 or forever for no limit)")
+        if v > MAX_DURATION:
+            raise ValueError(f"{v!r} seconds is longer than ten years (use -1 or forever)")
         return math.inf if v < 0 else float(v)
     if isinstance(v, str):
         s = v.strip().lower()
         if s in ("-1", "forever", "inf", "infinite", "never"):
             return math.inf
         try:
-            return parse_duration(float(s))
+            number = float(s)
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            return parse_duration(number)
         parts = _DURATION_RE.findall(s)
         if parts and "".join(n + u for n, u in parts) == s:
-            return sum(float(n) * _SECONDS[u] for n, u in parts)
+            return parse_duration(sum(float(n) * _SECONDS[u] for n, u in parts))
     raise ValueError(f"{v!r} is not a duration (use e.g. 30s, 5m, 1h30m, 0, -1 or forever)")
 
 

@@ -82,6 +82,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}. "
                        "The body must be a JSON object.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object, not "
                        f"{type(body).__name__}.", code="invalid_json")

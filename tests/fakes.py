@@ -140,12 +140,12 @@ class FakeFleet:
         self.workers.append(w)
         return w
 
-    def write(self, name: str, **spec: Any) -> None:
+    def write(self, name: str, file: Optional[str] = None, **spec: Any) -> None:
         import yaml
 
         doc = {"apiVersion": "mlxfleet/v1", "kind": "Model", "metadata": {"name": name},
                "spec": {"source": f"/nonexistent/{name}", **spec}}
-        (self.dir / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+        (self.dir / (file or f"{name}.yaml")).write_text(yaml.safe_dump(doc))
 
     def effects(self, name: Optional[str] = None) -> list[str]:
         return [what for what, n, _ in self.log if name is None or n == name]

@@ -173,7 +173,7 @@ async def test_idle_model_is_evicted_to_make_room_but_a_busy_one_is_not(tmp_path
 
 
 async def test_waiters_share_one_load_and_the_queue_is_bounded(fleet):
-    fleet.write("a", batching={"maxQueue": 2})
+    fleet.write("a", batching={"maxConcurrency": 1, "maxQueue": 1})
     await fleet.sup.reload()
     rt = fleet.sup.models["a"]
     waiting = [asyncio.ensure_future(fleet.sup.acquire("a", time.monotonic() + 5))
@@ -243,3 +243,50 @@ async def test_keep_alive_zero_unloads_after_the_request(fleet):
     assert rt.ready
     lease.release()
     await until(lambda: rt.phase is ModelPhase.UNLOADED)
+
+
+async def test_a_new_file_cannot_take_over_a_running_models_name_or_alias(fleet):
+    fleet.write("demo", file="m.yaml", aliases=["default"])
+    fleet.write("tiny", file="t.yaml")
+    await fleet.sup.reload()
+    # Newcomers that sort first reuse a running name and a running alias.
+    fleet.write("tiny", file="0-dup.yaml", source="/elsewhere")
+    fleet.write("default", file="0-alias.yaml")
+    await fleet.sup.reload()
+    assert fleet.sup.models["tiny"].manifest.spec.source == "/nonexistent/tiny"
+    assert fleet.sup.models["tiny"].file.endswith("t.yaml")
+    assert fleet.sup.resolve("default").name == "demo" and "default" not in fleet.sup.models
+    errors = {f.rsplit("/", 1)[-1]: " ".join(map(str, e))
+              for f, e in fleet.sup.file_errors.items()}
+    assert set(errors) == {"0-dup.yaml", "0-alias.yaml"}
+    assert "'tiny' is already used by" in errors["0-dup.yaml"]
+    assert "'default' is already used by" in errors["0-alias.yaml"]
+
+
+async def test_max_queue_zero_serves_up_to_max_concurrency_and_refuses_the_rest(fleet):
+    fleet.write("a", batching={"maxConcurrency": 1, "maxQueue": 0})
+    await fleet.sup.reload()
+    _, w = await _loaded(fleet, "a")
+    lease = await fleet.sup.acquire("a", time.monotonic() + 5)
+    with pytest.raises(AdmissionError) as e:
+        await fleet.sup.acquire("a", time.monotonic() + 5)
+    assert e.value.code == "queue_full" and e.value.headers["Retry-After"]
+    lease.release()
+    (await fleet.sup.acquire("a", time.monotonic() + 5)).release()
+
+
+async def test_a_crash_looping_model_does_not_hold_memory(tmp_path):
+    f = FakeFleet(tmp_path, memory_budget="1GB", backoff_base=30, backoff_cap=30,
+                  busy_wait_timeout=0.2)
+    try:
+        f.write("bad", preload=True, cache={"memoryMB": 600})
+        f.write("good", cache={"memoryMB": 600})
+        await f.sup.reload()
+        bad = f.sup.models["bad"]
+        (await until(lambda: bad.starting)).fail_load("corrupt weights")
+        await until(lambda: bad.phase is ModelPhase.BACKOFF)
+        assert not bad.holds_memory
+        rt, _ = await _loaded(f, "good")  # fits: the failing model's 600 MB are free
+        assert rt.ready and f.sup.memory_status()["loaded"] == ["good"]
+    finally:
+        await f.close()

@@ -222,3 +222,21 @@ def test_renamed_limit_says_where_it_went():
 def test_unknown_parser_is_a_manifest_error():
     r = parse_text(doc(parsers={"toolCall": "nope"}), "m.yaml")
     assert r.errors and "unknown toolCall parser 'nope'" in str(r.errors[0])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e300, "99999999999d", "nan"])
+def test_absurd_durations_are_errors(value):
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+def test_oversized_and_deeply_nested_files_are_errors_not_crashes(tmp_path):
+    from mlxfleet.manifest import MAX_MANIFEST_BYTES
+
+    (tmp_path / "big.yaml").write_text("# " + "x" * MAX_MANIFEST_BYTES + "\n")
+    (tmp_path / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    (tmp_path / "ok.yaml").write_text(doc("ok"))
+    results = {Path(r.file).name: r for r in load_paths([tmp_path])}
+    assert "at most" in str(results["big.yaml"].errors[0])
+    assert "nested too deeply" in str(results["deep.yaml"].errors[0])
+    assert [lm.manifest.name for lm in results["ok.yaml"].models] == ["ok"]

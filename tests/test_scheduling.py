@@ -187,7 +187,7 @@ def test_a_failed_load_answers_every_waiter_with_its_error(fleet, tmp_path):
 
 def test_full_load_queue_gets_503_with_retry_after(fleet):
     fleet.write("a.yaml", manifest("lazy", source="builtin:tiny-10m", preload=False,
-                                   batching={"maxQueue": 1}))
+                                   batching={"maxConcurrency": 1, "maxQueue": 1}))
     fleet.start()
     out = in_parallel(lambda: httpx.post(
         fleet.url + "/v1/chat/completions", timeout=60,

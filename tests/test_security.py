@@ -222,3 +222,69 @@ def test_non_loopback_bind_without_a_key_is_refused(tmp_path):
     assert r.returncode != 0 and "without an API key" in r.stderr
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"stream": "yes"}, "stream"),
+    ({"seed": 1 << 64}, "seed"),
+    ({"tools": [{"type": "function", "function": ["not", "an", "object"]}]}, "tools"),
+    ({"tools": [{"type": "function", "function": "get_weather"}]}, "tools"),
+    ({"keep_alive": "99999999999d"}, "keep_alive"),
+])
+def test_client_mistakes_are_400s_naming_the_field(secured, change, field):
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=30,
+                   json={**CHAT, **change})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(field)
+
+
+def test_nan_keep_alive_and_deep_json_are_400s_and_status_still_works(secured):
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], ' \
+           '"max_tokens": 2, "keep_alive": NaN}'
+    r = httpx.post(secured.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={**auth(), "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
+    deep = '{"model": "tiny", "x": ' + "[" * 5000 + "]" * 5000 + "}"
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        r = httpx.post(secured.url + path, content=deep, timeout=30,
+                       headers={**auth(), "Content-Type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text
+    assert secured.cli("get", "models").returncode == 0
+    assert httpx.get(secured.url + "/mlxfleet/v1/models/tiny", headers=auth()).status_code \
+        == 200
+
+
+def test_a_negative_seed_works(secured):
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=30,
+                   json={**CHAT, "seed": -5, "temperature": 0.8})
+    assert r.status_code == 200, r.text
+
+
+def test_a_non_ascii_request_id_is_replaced_not_a_500(secured):
+    r = httpx.post(secured.url + "/v1/chat/completions", timeout=30, json=CHAT,
+                   headers={**auth(), "X-Request-Id": "caf\u00e9".encode()})
+    assert r.status_code == 200 and r.headers["X-Request-Id"].isascii()
+
+
+def test_metrics_label_routes_by_template(secured):
+    for i in range(30):
+        httpx.get(f"{secured.url}/no/such/path/{i}", headers=auth())
+        httpx.get(f"{secured.url}/mlxfleet/v1/models/nope{i}", headers=auth())
+    routes = {dict(lb).get("route") for (n, lb) in scrape(secured)
+              if n == "mlxfleet_requests_total"}
+    assert "<unmatched>" in routes and "/mlxfleet/v1/models/<name>" in routes
+    assert not any(r and ("/no/such" in r or "nope" in r) for r in routes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_get_no_api_key_and_logs_are_private(secured):
+    import os
+    import stat
+
+    pid = secured.status("tiny")["pid"]
+    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    assert not any(e.startswith(b"MLXFLEET_API_KEY=") for e in env)
+    log = secured.status("tiny")["logFile"]
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(log)).st_mode) == 0o700

@@ -33,7 +33,7 @@ log = logging.getLogger("mlxfleet.gateway")
 #: Routes forwarded to the worker named by the body's ``model``.
 MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/embeddings"]
-_FORWARD_HEADERS = ("content-type", "accept", "x-request-id")
+_FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
 
 
 def create_gateway(supervisor: Any) -> Quart:
@@ -112,7 +112,10 @@ def create_gateway(supervisor: Any) -> Quart:
             finally:
                 await upstream.aclose()  # on timeout this aborts the generation in the worker
                 lease.release()
-            return Response(content, status=upstream.status_code, content_type=ctype)
+            resp = Response(content, status=upstream.status_code, content_type=ctype)
+            if "retry-after" in upstream.headers:  # a worker's 503 says when to come back
+                resp.headers["Retry-After"] = upstream.headers["retry-after"]
+            return resp
         return streaming_response(
             metrics.observe_stream(_relay(lease, upstream, request.path), lease.name),
             status=upstream.status_code, content_type=ctype)

@@ -61,7 +61,7 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
 
     @app.before_request
     async def _guard():
-        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        g.request_id = request_id(request.headers.get("X-Request-Id"))
         g.started = time.perf_counter()
         path = request.path
         if path in OPEN_ROUTES:
@@ -85,6 +85,14 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
     async def _request_id(response):
         response.headers["X-Request-Id"] = getattr(g, "request_id", "")
         return response
+
+
+def request_id(given: Optional[str]) -> str:
+    """The client's X-Request-Id when it is a sane header value (printable ASCII, at most
+    128 characters), else a fresh one."""
+    if given and len(given) <= 128 and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
 
 
 def is_loopback(host: str) -> bool:

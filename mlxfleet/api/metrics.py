@@ -72,18 +72,25 @@ class Metrics:
                 self.inflight.dec()
                 status = state["status"] if state["done"] else 499
                 model = state.get("model", "")
+                route = state.get("route", UNMATCHED)
                 if status == 499:
                     log.info("%s %s%s: client disconnected (499)", scope["method"],
                              scope["path"], f" (model {model})" if model else "")
-                self.requests.labels(model, scope["path"], str(status)).inc()
+                self.requests.labels(model, route, str(status)).inc()
 
         app.asgi_app = counted
+
+        @app.before_request
+        async def _route():
+            state = request.scope.get(_SCOPE_KEY)
+            if state is not None:  # label by route template: paths are unbounded
+                state["route"] = route_label()
 
         @app.after_request
         async def _done(response: Response):
             started = getattr(g, "started", None)
             if started is not None and request.path not in OPEN_ROUTES:
-                self.latency.labels(getattr(g, "model", "") or "", request.path).observe(
+                self.latency.labels(getattr(g, "model", "") or "", route_label()).observe(
                     time.perf_counter() - started)
             return response
 
@@ -135,6 +142,15 @@ class Metrics:
                 entry.update(workers[n])
             models[n] = entry
         return {"status": "ok", "models": models, "memory": self.sup.memory_status()}
+
+
+UNMATCHED = "<unmatched>"
+
+
+def route_label() -> str:
+    """The route template (``/mlxfleet/v1/models/<name>``), or one label for unknown paths."""
+    rule = request.url_rule
+    return rule.rule if rule is not None else UNMATCHED
 
 
 def tag_model(name: str) -> None:

@@ -2,8 +2,8 @@
 
 ``Supervisor.acquire(name, deadline)`` is the only way a request reaches a
 worker. It resolves the name or alias, applies a per-request keep-alive, bounds
-the queue (``batching.maxQueue``: requests waiting for a load, or for a batch
-slot beyond ``maxConcurrency``), loads the model on demand and waits for it,
+the queue (``batching.maxQueue``: requests beyond ``maxConcurrency`` that may
+wait, for the load or for a batch slot), loads the model on demand and waits for it,
 and counts the request in flight until the lease is released. ``Lease.send``
 retries once when the worker died before receiving anything. Every failure is
 an ``AdmissionError``: a status, a code, a message and when to retry, which
@@ -42,13 +42,14 @@ def _left(deadline: float) -> float:
 
 
 def queue_check(rt: ModelRuntime) -> None:
-    """503 when ``maxQueue`` requests already wait (for the load or for a batch slot)."""
+    """503 when the model already has ``maxConcurrency + maxQueue`` requests, running or
+    waiting (for its load or for a batch slot): the same count the worker keeps."""
     cfg = rt.worker_config
-    waiting = rt.waiters + max(0, rt.inflight - cfg.max_concurrency)
-    if waiting >= cfg.max_queue:
-        raise AdmissionError(503, f"Model '{rt.name}' has {waiting} requests waiting "
-                             f"(maxQueue {cfg.max_queue}); retry shortly.", "queue_full",
-                             retry_after=2)
+    held = rt.waiters + rt.inflight
+    if held >= cfg.max_concurrency + cfg.max_queue:
+        raise AdmissionError(503, f"Model '{rt.name}' has {held} requests running or waiting "
+                             f"(maxConcurrency {cfg.max_concurrency} + maxQueue "
+                             f"{cfg.max_queue}); retry shortly.", "queue_full", retry_after=2)
 
 
 async def until_ready(sup: Supervisor, rt: ModelRuntime, deadline: float) -> None:

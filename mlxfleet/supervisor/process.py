@@ -27,6 +27,8 @@ from .worker_config import worker_config
 log = logging.getLogger("mlxfleet.supervisor")
 
 PARENT_FD_ENV = "MLXFLEET_PARENT_FD"
+#: The server's secrets: a worker needs none of them (it is reached only through the gateway).
+SECRET_ENV = frozenset({"MLXFLEET_API_KEY", "MLXFLEET_ADMIN_KEY", "MLXFLEET_FLEET_KEY"})
 
 
 class WorkerProcess(InflightCounter):
@@ -112,8 +114,8 @@ class WorkerProcess(InflightCounter):
 
     async def spawn(self) -> None:
         r, w = os.pipe()
-        env = {**os.environ, **self.manifest.spec.env, PARENT_FD_ENV: str(r),
-               "PYTHONUNBUFFERED": "1"}
+        env = {**{k: v for k, v in os.environ.items() if k not in SECRET_ENV},
+               **self.manifest.spec.env, PARENT_FD_ENV: str(r), "PYTHONUNBUFFERED": "1"}
         self._logger.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker "
                           f"{self.manifest.name} ({self.manifest.spec.source}) ---")
         try:
@@ -206,16 +208,25 @@ class WorkerProcess(InflightCounter):
 _loggers: dict[str, logging.Logger] = {}
 
 
+class _PrivateRotatingFile(logging.handlers.RotatingFileHandler):
+    """Log files readable by the user only (requests may be logged), after rotation too."""
+
+    def _open(self):
+        stream = super()._open()
+        os.chmod(self.baseFilename, 0o600)
+        return stream
+
+
 def _file_logger(path: Path, max_bytes: int, backups: int) -> logging.Logger:
     """A rotating file for one model's worker output (shared across its generations)."""
     key = str(path)
     lg = _loggers.get(key)
     if lg is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         lg = logging.getLogger(f"mlxfleet.workerlog.{len(_loggers)}")
         lg.propagate = False
         lg.setLevel(logging.INFO)
-        h = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
+        h = _PrivateRotatingFile(path, maxBytes=max_bytes, backupCount=backups)
         h.setFormatter(logging.Formatter("%(message)s"))
         lg.addHandler(h)
         _loggers[key] = lg

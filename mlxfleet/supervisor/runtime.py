@@ -99,7 +99,10 @@ class ModelRuntime(StatusRecord, MemoryAccount):
 
     @property
     def holds_memory(self) -> bool:
-        return self.want_loaded or self.current is not None or self.starting is not None
+        """Runs, is loading, or is about to: a model backing off after failures does not
+        hold memory meanwhile."""
+        return self.current is not None or self.starting is not None or (
+            self.want_loaded and self.retry_after() == 0)
 
     # ---- control ---------------------------------------------------------
 

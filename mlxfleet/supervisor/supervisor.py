@@ -51,7 +51,8 @@ class Supervisor:
         base = os.environ.get("XDG_RUNTIME_DIR") if os.name == "posix" else None
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="mlxfleet-", dir=base or "/tmp"))
         os.chmod(self.runtime_dir, 0o700)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.log_dir, 0o700)
         if not self.manifests_dir.exists():
             log.warning("manifests folder %s does not exist; creating it", self.manifests_dir)
             self.manifests_dir.mkdir(parents=True)
@@ -115,8 +116,10 @@ class Supervisor:
 
     # ---- reconcile -------------------------------------------------------
 
-    def _desired(self, results: list[FileResult]) -> dict[str, LoadedManifest]:
-        """Manifests to run: each file's new models, or its last good ones if it broke."""
+    def _desired(self, results: list[FileResult], owners: frozenset[str]
+                 ) -> dict[str, LoadedManifest]:
+        """Manifests to run: each file's new models, or its last good ones if it broke.
+        Files whose models run already keep their names (``owners`` go first)."""
         self.file_errors = {r.file: r.errors for r in results if r.errors}
         present = {r.file for r in results}
         for f in list(self._last_good):
@@ -124,7 +127,7 @@ class Supervisor:
                 del self._last_good[f]
         desired: dict[str, LoadedManifest] = {}
         claimed: set[str] = set()
-        for r in results:
+        for r in sorted(results, key=lambda r: r.file not in owners):
             models = r.models if not r.errors else self._last_good.get(r.file, [])
             if not r.errors:
                 self._last_good[r.file] = r.models
@@ -139,11 +142,13 @@ class Supervisor:
     async def reload(self) -> None:
         """Parse the manifests folder and act on the difference."""
         async with self._lock:
-            results = await asyncio.to_thread(load_paths, [self.manifests_dir])
+            owners = frozenset(rt.file for rt in self.models.values() if not rt.removed)
+            results = await asyncio.to_thread(load_paths, [self.manifests_dir], owners,
+                                              self.settings.max_manifest_bytes)
             for r in results:
                 for e in r.errors:
                     log.error("manifest error: %s", e)
-            desired = self._desired(results)
+            desired = self._desired(results, owners)
             actions = plan({n: lm.manifest.worker_hash() for n, lm in desired.items()},
                            {n: rt.manifest.worker_hash() for n, rt in self.models.items()})
             for name, action in sorted(actions.items()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from quart import Quart
 
 from ..wire import APIError, parse_model
@@ -42,14 +42,14 @@ class AnthropicTool(BaseModel):
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[_Block], None] = None
     stop_sequences: Optional[list[str]] = None
-    temperature: Optional[float] = Field(default=None, ge=0, le=1)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0)
-    stream: bool = False
+    temperature: Optional[StrictFloat] = Field(default=None, ge=0, le=1)
+    top_p: Optional[StrictFloat] = Field(default=None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(default=None, ge=0)
+    stream: StrictBool = False
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, Any]] = None

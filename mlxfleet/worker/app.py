@@ -110,7 +110,8 @@ class Worker:
                            type="service_unavailable", code="model_loading",
                            headers={"Retry-After": "1"})
         raise APIError(503, f"Model '{self.name}' is not available: {e.error or e.state}",
-                       type="service_unavailable", code="model_unavailable")
+                       type="service_unavailable", code="model_unavailable",
+                       headers={"Retry-After": "5"})
 
     async def begin(self, to_request: Callable[[dict[str, Any]], GenRequest]
                     ) -> tuple[GenRequest, Pipeline]:

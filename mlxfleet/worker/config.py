@@ -26,9 +26,9 @@ class WorkerConfig(BaseModel):
 
     max_concurrency: int = Field(16, ge=1, le=1024,
                                  description="sequences decoded together in one batch")
-    max_queue: int = Field(64, ge=0, description="requests that may wait for this model (for "
-                           "its load, or for a batch slot beyond maxConcurrency) before new "
-                           "ones get 503")
+    max_queue: int = Field(64, ge=0, description="requests beyond maxConcurrency that may "
+                           "wait (for the model's load or for a batch slot) before new ones "
+                           "get 503")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled in one pass")
     prefill_step_size: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     cache_bytes: int = Field(1 << 30, gt=0, description="KV memory budget: running "

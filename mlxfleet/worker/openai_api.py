@@ -88,7 +88,8 @@ def chat_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(ChatCompletionRequest, body)
     return GenRequest(
         messages=[_message(m, i) for i, m in enumerate(req.messages)],
-        tools=req.tools, tool_choice=_tool_choice(req.tool_choice),
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_schema=_response_schema(req.response_format),
         max_tokens=req.max_completion_tokens or req.max_tokens,

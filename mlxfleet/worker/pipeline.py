@@ -113,7 +113,8 @@ class Pipeline:
             for ev in batch:
                 if isinstance(ev, EngineError):
                     raise APIError(503, f"Generation failed: {ev.message}",
-                                   type="server_error", code="engine_error")
+                                   type="server_error", code="engine_error",
+                                   headers={"Retry-After": "1"})
                 out.extend(self._feed(ev))
             if out:
                 yield out

@@ -84,7 +84,7 @@ class SeededSampler:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self._mx = mx
-        self._key = mx.random.key(seed)
+        self._key = mx.random.key(seed % (1 << 32))  # any int64 seed; MLX keys are 32-bit
         self._temp = p.temperature
         self._filters = []
         if 0 < p.top_p < 1:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+)
 
 
 class _Model(BaseModel):
@@ -61,6 +69,19 @@ class ChatMessage(BaseModel):
             isinstance(p, ImagePart) for p in self.content)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -69,25 +90,25 @@ class SamplingFields(_Model):
     """Fields common to chat and text completions."""
 
     model: str = Field(min_length=1)
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=-1)
-    min_p: Optional[float] = Field(default=None, ge=0, le=1)
-    seed: Optional[int] = None
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: Optional[StrictFloat] = Field(default=None, ge=0, le=2)
+    top_p: Optional[StrictFloat] = Field(default=None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(default=None, ge=-1)
+    min_p: Optional[StrictFloat] = Field(default=None, ge=0, le=1)
+    seed: Optional[StrictInt] = Field(default=None, ge=-(1 << 63), lt=1 << 63)
     stop: Union[str, list[str], None] = None
     presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(default=None, gt=0, le=10)
     logit_bias: Optional[dict[str, float]] = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: StrictInt = Field(default=1, ge=1, le=16)
     user: Optional[str] = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    stream_interval: Optional[int] = Field(default=None, ge=1, le=1024,
+    stream_interval: Optional[StrictInt] = Field(default=None, ge=1, le=1024,
                                            description="tokens per streamed chunk")
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
-    skip_special_tokens: bool = True  # vLLM's: hide special tokens from the text
+    ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+    skip_special_tokens: StrictBool = True  # vLLM's: hide special tokens from the text
 
     @field_validator("stop")
     @classmethod
@@ -116,19 +137,19 @@ class SamplingFields(_Model):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[ToolDef]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)
+    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
