@@ -39,6 +39,10 @@ class ServerSettings(BaseSettings):
     stable_period: float = Field(60.0, gt=0,
                                  description="seconds Ready that reset the crash backoff")
     reload_debounce_ms: int = Field(300, ge=0)
+    health_interval: float = Field(5.0, gt=0, description="seconds between health checks of "
+                                   "a ready worker (each may take as long)")
+    health_failures: int = Field(3, ge=1, description="failed health checks in a row that "
+                                 "get a worker killed and restarted")
     max_manifest_bytes: int = Field(1 << 20, gt=0, description="larger manifest files are "
                                     "refused with an error, unread")
     request_wait_timeout: float = Field(

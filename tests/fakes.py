@@ -35,6 +35,7 @@ class FakeWorker(InflightCounter):
         self.returncode: Optional[int] = None
         self.spawn_error: Optional[str] = None
         self.forward_effects: list[Callable[[], Any]] = []  # consumed one per forward
+        self.healthy = True  # False: answers no health check (a frozen process)
         self._pid = next(_pids)
         self._spawned = False
         self._loaded: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -97,7 +98,7 @@ class FakeWorker(InflightCounter):
         return effect()
 
     async def get_json(self, path: str, timeout: float) -> Optional[dict]:
-        return {"status": "ok"}
+        return {"status": "ok", "state": "ready"} if self.healthy else None
 
     def memory_bytes(self) -> Optional[int]:
         return None
@@ -131,6 +132,7 @@ class FakeFleet:
         self.log: list = []
         self.workers: list[FakeWorker] = []
         opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "worker_overhead_mb": 0,
+                "health_interval": 0.01,
                 "drain_timeout": 2.0, "keep_alive": "forever", **settings}
         self.sup = Supervisor(ServerSettings(manifests_dir=self.dir, state_dir=root / "state",
                                              **opts), worker_factory=self._new)

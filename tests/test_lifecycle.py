@@ -290,3 +290,14 @@ async def test_a_crash_looping_model_does_not_hold_memory(tmp_path):
         assert rt.ready and f.sup.memory_status()["loaded"] == ["good"]
     finally:
         await f.close()
+
+
+async def test_a_worker_that_stops_answering_is_killed_and_replaced(fleet):
+    rt, w1 = await _preloaded(fleet, "a")
+    w1.healthy = False
+    await until(lambda: rt.starting)
+    assert not rt.ready and w1.returncode == -9
+    assert "stopped answering its health check (3 times" in rt.last_error
+    rt.starting.become_ready()
+    await until(lambda: rt.ready)
+    assert rt.current is not w1 and rt.restarts == 1

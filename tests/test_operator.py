@@ -134,6 +134,25 @@ def test_killed_worker_restarts_with_backoff(fleet):
     assert fleet.chat("alpha").usage.completion_tokens == 4
 
 
+def test_a_frozen_worker_is_restarted_and_requests_end_at_their_deadline(tmp_path):
+    f = Fleet(tmp_path, env={"MLXFLEET_HEALTH_INTERVAL": "1", "MLXFLEET_TIMEOUT": "4"})
+    try:
+        f.write("a.yaml", manifest("alpha"))
+        f.start()
+        a = f.wait_ready("alpha")
+        os.kill(a["pid"], signal.SIGSTOP)  # alive, but answers nothing
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            f.chat("alpha")
+        assert e.value.status_code in (503, 504) and time.monotonic() - t0 < 10
+        b = f.wait_ready("alpha", pid_not=a["pid"], timeout=60)
+        assert any("stopped answering its health check" in ev["message"]
+                   for ev in b["events"])
+        assert f.chat("alpha").usage.completion_tokens == 4
+    finally:
+        f.stop()
+
+
 def test_a_model_that_cannot_load_backs_off_instead_of_looping(fleet, tmp_path):
     fleet.write("bad.yaml", manifest("broken", source=str(tmp_path / "nowhere")))
     fleet.write("ok.yaml", manifest("fine"))

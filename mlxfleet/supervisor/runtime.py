@@ -297,9 +297,18 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         cur = self.current
         exited = asyncio.ensure_future(cur.wait_exit())
         woken = asyncio.ensure_future(self._wake.wait())
-        await asyncio.wait({exited, woken}, return_when=asyncio.FIRST_COMPLETED)
+        hung = asyncio.ensure_future(self._unresponsive(cur))
+        await asyncio.wait({exited, woken, hung}, return_when=asyncio.FIRST_COMPLETED)
         woken.cancel()
         self._wake.clear()
+        why = f"worker exited unexpectedly with code {cur.returncode}"
+        if hung.done() and not exited.done() and not (cur.stopping or self.removed):
+            why = (f"worker stopped answering its health check ({hung.result()} times in a "
+                   "row); killed")
+            self._ready.clear()  # no new requests go to it
+            cur.kill()
+            await exited
+        hung.cancel()
         if not exited.done():
             exited.cancel()
             return  # re-evaluate: replace, unload or remove
@@ -309,11 +318,22 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self.failures = failures_after_exit(self.failures, ready_for,
                                             self.settings.stable_period)
         self.failed_at = time.monotonic()
-        self.last_error = f"worker exited unexpectedly with code {cur.returncode}"
+        self.last_error = why
         self.event("Warning", "WorkerCrashed", f"{self.last_error} (pid {cur.pid})")
         self._ready.clear()
         self.current = None
         await cur.close()
+
+    async def _unresponsive(self, w: WorkerHandle) -> int:
+        """Return once ``w`` has failed ``health_failures`` health checks in a row (no
+        answer within ``health_interval``, or an engine that reports itself failed)."""
+        interval, limit = self.settings.health_interval, self.settings.health_failures
+        misses = 0
+        while misses < limit:
+            await asyncio.sleep(interval)
+            h = await w.get_json("/health", interval)
+            misses = misses + 1 if h is None or h.get("state") == "failed" else 0
+        return misses
 
     async def _start_worker(self) -> None:
         if self.failures:  # a restart after a crash or a failed start
