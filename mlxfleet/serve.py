@@ -23,6 +23,7 @@ async def serve(settings: ServerSettings) -> None:
         raise SystemExit(f"error: refusing to serve on {settings.host} (not loopback) without "
                          "an API key: anyone who can reach the port would get a free LLM. "
                          "Set --api-key (or MLXFLEET_API_KEY), or pass --insecure.")
+    _check_port(settings.host, settings.port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -50,3 +51,17 @@ async def serve(settings: ServerSettings) -> None:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail fast, with one clear line, when the address cannot be listened on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise SystemExit(f"error: cannot listen on {host}:{port}: "
+                             f"{e.strerror or e} (is another server running there?)") from None

@@ -43,6 +43,10 @@ class ServerSettings(BaseSettings):
                                    "a ready worker (each may take as long)")
     health_failures: int = Field(3, ge=1, description="failed health checks in a row that "
                                  "get a worker killed and restarted")
+    allow_worker_env: list[str] = Field(
+        default_factory=list, description="environment variables manifests may set in spec.env "
+        "although they change how code is loaded (LD_*, DYLD_*, PYTHON*, PATH): names, or "
+        "prefixes ending in *")
     max_manifest_bytes: int = Field(1 << 20, gt=0, description="larger manifest files are "
                                     "refused with an error, unread")
     request_wait_timeout: float = Field(

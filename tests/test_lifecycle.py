@@ -301,3 +301,17 @@ async def test_a_worker_that_stops_answering_is_killed_and_replaced(fleet):
     rt.starting.become_ready()
     await until(lambda: rt.ready)
     assert rt.current is not w1 and rt.restarts == 1
+
+
+async def test_loader_changing_env_is_refused_unless_the_server_allows_it(tmp_path):
+    for allowed, runs in (([], False), (["PYTHON*"], True)):
+        f = FakeFleet(tmp_path / str(runs), allow_worker_env=allowed)
+        try:
+            f.write("a", env={"PYTHONPATH": "/tmp/evil", "OMP_NUM_THREADS": "2"})
+            f.write("b", env={"LD_PRELOAD": "/tmp/evil.so"})
+            await f.sup.reload()
+            assert ("a" in f.sup.models) is runs and "b" not in f.sup.models
+            errors = " ".join(str(e) for es in f.sup.file_errors.values() for e in es)
+            assert "LD_PRELOAD changes how the worker loads code" in errors
+        finally:
+            await f.close()

@@ -153,6 +153,21 @@ def test_a_frozen_worker_is_restarted_and_requests_end_at_their_deadline(tmp_pat
         f.stop()
 
 
+def test_serve_on_a_busy_port_fails_fast_with_one_line(fleet):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", fleet.port))
+        busy.listen()
+        r = subprocess.run([sys.executable, "-m", "mlxfleet", "serve", "--manifests",
+                            str(fleet.dir), "--port", str(fleet.port)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{fleet.port}" in r.stderr
+
+
 def test_a_model_that_cannot_load_backs_off_instead_of_looping(fleet, tmp_path):
     fleet.write("bad.yaml", manifest("broken", source=str(tmp_path / "nowhere")))
     fleet.write("ok.yaml", manifest("fine"))

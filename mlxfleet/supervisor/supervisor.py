@@ -146,6 +146,7 @@ class Supervisor:
             results = await asyncio.to_thread(load_paths, [self.manifests_dir], owners,
                                               self.settings.max_manifest_bytes)
             for r in results:
+                refuse_loader_env(r, self.settings.allow_worker_env)
                 for e in r.errors:
                     log.error("manifest error: %s", e)
             desired = self._desired(results, owners)
@@ -268,3 +269,23 @@ class Supervisor:
                 await asyncio.sleep(2)
                 self.manifests_dir.mkdir(parents=True, exist_ok=True)
                 await self.reload()
+
+
+#: spec.env names that change what code a worker loads: refused unless the server allows them.
+LOADER_ENV = ("LD_*", "DYLD_*", "PYTHON*", "PATH")
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def refuse_loader_env(r: FileResult, allowed: list[str]) -> None:
+    """Make a file's models an error when their spec.env would change how code is loaded
+    (``PYTHONPATH`` + a sitecustomize, ``LD_PRELOAD``: code run as the server's user)."""
+    for lm in r.models:
+        for name in lm.manifest.spec.env:
+            if _matches(name.upper(), LOADER_ENV) and not _matches(name, allowed):
+                r.errors.append(ManifestError(
+                    r.file, f"{name} changes how the worker loads code and is refused; the "
+                    "server's allow_worker_env setting can allow it", lm.document,
+                    f"spec.env.{name}"))
