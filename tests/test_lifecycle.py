@@ -89,21 +89,20 @@ async def test_load_on_demand_then_unload(fleet):
     assert fleet.effects("a") == ["spawn", "ready", "stop"]
 
 
-async def test_crash_backs_off_then_restarts(fleet):
-    fleet.write("a", preload=True)
-    await fleet.sup.reload()
-    rt = fleet.sup.models["a"]
-    w1 = await until(lambda: rt.starting)
-    w1.become_ready()
-    await until(lambda: rt.ready)
-    w1.crash()
-    await until(lambda: rt.phase is ModelPhase.BACKOFF)
-    assert "exited unexpectedly" in rt.last_error
-    w2 = await until(lambda: rt.starting)  # after the (tiny) backoff
-    w2.become_ready()
-    await until(lambda: rt.ready)
-    assert rt.restarts == 1 and rt.current is w2
-    assert fleet.effects("a") == ["spawn", "ready", "crash", "spawn", "ready"]
+async def test_crash_backs_off_then_restarts(tmp_path):
+    f = FakeFleet(tmp_path, backoff_base=0.5, backoff_cap=0.5)
+    try:
+        rt, w1 = await _preloaded(f, "a")
+        w1.crash()
+        await until(lambda: rt.phase is ModelPhase.BACKOFF)
+        assert "exited unexpectedly" in rt.last_error and rt.starting is None
+        w2 = await until(lambda: rt.starting)  # after the backoff
+        w2.become_ready()
+        await until(lambda: rt.ready)
+        assert rt.restarts == 1 and rt.current is w2
+        assert f.effects("a") == ["spawn", "ready", "crash", "spawn", "ready"]
+    finally:
+        await f.close()
 
 
 async def test_request_during_backoff_is_503_with_retry_after(tmp_path):
@@ -182,7 +181,7 @@ async def test_waiters_share_one_load_and_the_queue_is_bounded(fleet):
     with pytest.raises(AdmissionError) as e:
         await fleet.sup.acquire("a", time.monotonic() + 5)
     assert e.value.status == 503 and e.value.code == "queue_full"
-    rt.starting.become_ready()
+    (await until(lambda: rt.starting)).become_ready()
     leases = await asyncio.gather(*waiting)
     assert rt.inflight == 2 and len(fleet.workers) == 1  # one load served both
     for lease in leases:
@@ -298,7 +297,7 @@ async def test_a_worker_that_stops_answering_is_killed_and_replaced(fleet):
     await until(lambda: rt.starting)
     assert not rt.ready and w1.returncode == -9
     assert "stopped answering its health check (3 times" in rt.last_error
-    rt.starting.become_ready()
+    (await until(lambda: rt.starting)).become_ready()
     await until(lambda: rt.ready)
     assert rt.current is not w1 and rt.restarts == 1
 
@@ -315,3 +314,16 @@ async def test_loader_changing_env_is_refused_unless_the_server_allows_it(tmp_pa
             assert "LD_PRELOAD changes how the worker loads code" in errors
         finally:
             await f.close()
+
+
+async def test_a_missing_manifests_folder_stops_nothing(fleet):
+    import shutil
+
+    fleet.write("a")
+    await fleet.sup.reload()
+    shutil.rmtree(fleet.dir)
+    await fleet.sup.reload()
+    assert "a" in fleet.sup.models and not fleet.sup.models["a"].removed
+    fleet.dir.mkdir()
+    await fleet.sup.reload()  # back, and empty: now the model goes
+    assert "a" not in fleet.sup.models

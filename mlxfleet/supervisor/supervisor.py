@@ -140,8 +140,13 @@ class Supervisor:
         return desired
 
     async def reload(self) -> None:
-        """Parse the manifests folder and act on the difference."""
+        """Parse the manifests folder and act on the difference. A missing folder changes
+        nothing (models keep running until it is back)."""
         async with self._lock:
+            if not self.manifests_dir.is_dir():
+                log.warning("manifests folder %s is missing; models keep running until it "
+                            "is back", self.manifests_dir)
+                return
             owners = frozenset(rt.file for rt in self.models.values() if not rt.removed)
             results = await asyncio.to_thread(load_paths, [self.manifests_dir], owners,
                                               self.settings.max_manifest_bytes)
@@ -256,7 +261,10 @@ class Supervisor:
         def relevant(_change, path: str) -> bool:
             return Path(path).suffix in (".yaml", ".yml")
 
-        while True:
+        while True:  # the watcher never dies: any failure is logged and watching resumes
+            if not self.manifests_dir.is_dir():
+                await asyncio.sleep(1)  # removed: wait for it (models keep running)
+                continue
             try:
                 async for _ in awatch(self.manifests_dir, watch_filter=relevant,
                                       debounce=self.settings.reload_debounce_ms,
@@ -266,9 +274,8 @@ class Supervisor:
                 raise
             except Exception:  # noqa: BLE001 - e.g. the folder was removed; keep trying
                 log.exception("watching %s failed; retrying", self.manifests_dir)
-                await asyncio.sleep(2)
-                self.manifests_dir.mkdir(parents=True, exist_ok=True)
-                await self.reload()
+                await asyncio.sleep(1)
+            await self.reload()  # catch up with what changed while not watching
 
 
 #: spec.env names that change what code a worker loads: refused unless the server allows them.
