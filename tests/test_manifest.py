@@ -139,6 +139,28 @@ def test_apply_and_delete_edit_files_in_place(tmp_path):
     assert delete_model(tmp_path, "zzz") is None
 
 
+def test_apply_never_overwrites_another_models_file_and_respects_links_and_modes(tmp_path):
+    import os
+    import stat
+
+    other = tmp_path / "foo.yaml"
+    other.write_text("# keep me\n" + doc("bar"))
+    out = apply_text(tmp_path, doc("foo"))
+    assert out[0].action == "created" and out[0].file.endswith("foo-2.yaml")
+    assert other.read_text().startswith("# keep me") and "bar" in other.read_text()
+    names = sorted(lm.manifest.name for r in load_paths([tmp_path]) for lm in r.models)
+    assert names == ["bar", "foo"]
+    # A symlinked manifest is edited through the link, and keeps its mode.
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "m.yaml").write_text(doc("linked"))
+    os.chmod(real / "m.yaml", 0o640)
+    (tmp_path / "linked.yaml").symlink_to(real / "m.yaml")
+    apply_text(tmp_path, doc("linked", aliases=["l"]))
+    assert (tmp_path / "linked.yaml").is_symlink() and "l" in (real / "m.yaml").read_text()
+    assert stat.S_IMODE(os.stat(real / "m.yaml").st_mode) == 0o640
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "mlxfleet", *args], capture_output=True,
                           text=True, timeout=60)

@@ -50,10 +50,21 @@ def _doc_spans(text: str) -> list[tuple[int, int]]:
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically; a symlink's target is written (the link
+    stays), and an existing file keeps its mode."""
+    if path.is_symlink():
+        path = path.resolve()
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -82,7 +93,7 @@ def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Ap
         doc_text = text[s:e].strip("\n") + "\n"
         old = where.get(lm.manifest.name)
         if old is None:
-            path = folder / f"{lm.manifest.name}.yaml"
+            path = _free_path(folder, lm.manifest.name)
             atomic_write(path, doc_text)
             out.append(Applied(lm.manifest.name, str(path), "created"))
             continue
@@ -93,6 +104,16 @@ def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Ap
         _replace_doc(Path(old.file), old.document, _without_head_comments(doc_text))
         out.append(Applied(lm.manifest.name, old.file, "configured"))
     return out
+
+
+def _free_path(folder: Path, name: str) -> Path:
+    """``NAME.yaml``, or ``NAME-2.yaml``... when that file exists (it may hold other models,
+    or be broken): a new model never overwrites a file."""
+    path, n = folder / f"{name}.yaml", 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = folder / f"{name}-{n}.yaml"
+    return path
 
 
 def _without_head_comments(doc_text: str) -> str:
