@@ -136,6 +136,8 @@ def _add_server_commands(sub) -> None:
     p.add_argument("--config", dest="config_file", help="YAML settings file")
     p.add_argument("--name", help="with SOURCE: the model's name")
     p.add_argument("--api-key", help="require this key (comma-separate several)")
+    p.add_argument("--admin-key", help="key(s) for apply, delete, load and unload "
+                   "(default: the API keys)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback bind without an API key")
     p.add_argument("--rate-limit", type=int, help="requests per minute per client")
@@ -211,6 +213,7 @@ def _run_serve(args) -> int:
         settings = load_settings(
             host=args.host, port=args.port, manifests_dir=args.manifests_dir,
             state_dir=args.state_dir, config_file=args.config_file, api_key=args.api_key,
+            admin_key=args.admin_key,
             insecure=args.insecure, rate_limit=args.rate_limit, timeout=args.timeout,
             max_body_mb=args.max_body_mb, enable_metrics=args.enable_metrics,
             max_tokens=args.max_tokens, max_request_tokens=args.max_request_tokens,
@@ -256,13 +259,23 @@ def _server_url(args) -> str:
             or f"http://127.0.0.1:{os.environ.get('MLXFLEET_PORT', '8000')}").rstrip("/")
 
 
+def _cli_key() -> str:
+    """The key the CLI sends: the admin key when set (control writes need it), else a
+    client key."""
+    for var in ("MLXFLEET_ADMIN_KEY", "MLXFLEET_API_KEY"):
+        key = os.environ.get(var, "").split(",")[0].strip()
+        if key:
+            return key
+    return ""
+
+
 def _api(args, method: str, path: str, **kw):
     import httpx
 
     url = _server_url(args)
     try:
         kw.setdefault("timeout", 30)
-        key = os.environ.get("MLXFLEET_API_KEY", "").split(",")[0].strip()
+        key = _cli_key()
         if key:
             kw.setdefault("headers", {})["Authorization"] = f"Bearer {key}"
         r = httpx.request(method, url + "/mlxfleet/v1" + path, **kw)
@@ -360,7 +373,7 @@ def _run_logs(args) -> int:
     _api(args, "GET", f"/models/{args.name}")  # a clear error for an unknown name
     url = _server_url(args) + f"/mlxfleet/v1/models/{args.name}/logs"
     try:
-        key = os.environ.get("MLXFLEET_API_KEY", "").split(",")[0].strip()
+        key = _cli_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         with httpx.stream("GET", url, params=params, timeout=None, headers=headers) as r:
             for chunk in r.iter_text():

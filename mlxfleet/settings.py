@@ -66,6 +66,8 @@ class ServerSettings(BaseSettings):
     default_cache_mb: int = Field(1024, gt=0, description="KV budget of a model whose "
                                   "manifest sets none")
     api_key: Optional[str] = Field(None, description="required API key(s), comma-separated")
+    admin_key: Optional[str] = Field(None, description="key(s) for control-API writes "
+                                     "(apply, delete, load, unload); unset: the API keys")
     insecure: bool = Field(False, description="allow a non-loopback bind without an API key")
     rate_limit: int = Field(0, ge=0, description="requests per minute per client; 0 = off")
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
@@ -108,6 +110,12 @@ class ServerSettings(BaseSettings):
     @property
     def api_keys(self) -> list[str]:
         return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
+    @property
+    def admin_keys(self) -> list[str]:
+        """Keys allowed to change the fleet: the admin keys, else the API keys."""
+        keys = [k.strip() for k in (self.admin_key or "").split(",") if k.strip()]
+        return keys or self.api_keys
 
     @property
     def keep_alive_seconds(self) -> float:

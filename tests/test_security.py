@@ -197,6 +197,31 @@ def test_the_server_default_cache_budget_reaches_the_worker(secured):
     assert s["prompt_cache"]["budget_bytes"] == 256 << 20
 
 
+def test_client_keys_read_and_infer_only_the_admin_key_changes_models(tmp_path):
+    f = Fleet(tmp_path, env={"MLXFLEET_API_KEY": "client", "MLXFLEET_ADMIN_KEY": "admin"})
+    f.write("tiny.yaml", manifest("tiny", preload=False))
+    f.start()
+    try:
+        client, admin = auth("client"), auth("admin")
+        base = f.url + "/mlxfleet/v1"
+        assert httpx.get(base + "/models", headers=client).status_code == 200
+        r = httpx.post(base + "/models/tiny/load", headers=client, timeout=120)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+        assert httpx.post(base + "/manifests", headers=client,
+                          content=manifest("x")).status_code == 403
+        assert httpx.delete(base + "/models/tiny", headers=client).status_code == 403
+        assert httpx.post(base + "/models/tiny/load", headers={}).status_code == 401
+        assert httpx.post(base + "/models/tiny/load", headers=admin,
+                          timeout=120).status_code == 200
+        for key in (client, admin):  # both may infer
+            assert httpx.post(f.url + "/v1/chat/completions", headers=key, json=CHAT,
+                              timeout=60).status_code == 200
+        # The CLI prefers MLXFLEET_ADMIN_KEY.
+        assert f.cli("unload", "tiny").returncode == 0
+    finally:
+        f.stop()
+
+
 def test_rate_limit_gives_429_with_retry_after(tmp_path):
     f = Fleet(tmp_path, env={"MLXFLEET_RATE_LIMIT": "3"})
     f.write("tiny.yaml", manifest("tiny"))

@@ -46,7 +46,7 @@ def create_gateway(supervisor: Any) -> Quart:
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60,
                       MAX_CONTENT_LENGTH=settings.max_body_mb << 20)
     install_error_handlers(app)
-    install_guard(app, settings.api_keys, settings.rate_limit)
+    install_guard(app, settings.api_keys, settings.rate_limit, settings.admin_keys)
     metrics = Metrics(supervisor)
     metrics.install(app, enabled=settings.enable_metrics)
     started = time.time()

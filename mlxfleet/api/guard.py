@@ -56,8 +56,17 @@ class RateLimiter:
         return None
 
 
-def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
+CONTROL_PREFIX = "/mlxfleet/v1/"
+_WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def install_guard(app: Quart, api_keys: list[str], rate_limit: int,
+                  admin_keys: Optional[list[str]] = None) -> None:
+    """Client keys for inference and reads; admin keys (default: the client keys) for
+    control-API writes, which without any key are accepted from loopback only."""
     limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
+    admin_keys = admin_keys or []
+    any_key = api_keys + [k for k in admin_keys if k not in api_keys]
 
     @app.before_request
     async def _guard():
@@ -67,11 +76,14 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
         if path in OPEN_ROUTES:
             return None
         key = presented_key()
-        if api_keys and not key_ok(key, api_keys):
+        if api_keys and not key_ok(key, any_key):  # inference and reads
             raise APIError(401, "Invalid or missing API key. Send it as 'Authorization: "
                            "Bearer KEY' or 'x-api-key: KEY'.", type="authentication_error",
                            code="invalid_api_key",
                            headers={"WWW-Authenticate": 'Bearer realm="mlxfleet"'})
+        if path.startswith(CONTROL_PREFIX) and request.method in _WRITES:
+            _control_write(key, admin_keys)
+            return None
         if limiter and path.startswith("/v1/"):
             client = f"key:{key}" if key and api_keys else f"addr:{request.remote_addr}"
             wait = limiter.check(client)
@@ -85,6 +97,21 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int) -> None:
     async def _request_id(response):
         response.headers["X-Request-Id"] = getattr(g, "request_id", "")
         return response
+
+
+def _control_write(key: Optional[str], admin_keys: list[str]) -> None:
+    """Changing the fleet (apply, delete, load, unload) needs an admin key; with no key
+    configured at all, only a client on this machine may."""
+    if admin_keys:
+        if key_ok(key, admin_keys):
+            return
+        raise APIError(403, "Changing models needs the admin key (MLXFLEET_ADMIN_KEY); "
+                       "client keys may only read and infer.", type="permission_error",
+                       code="admin_key_required")
+    if not is_loopback(request.remote_addr or ""):
+        raise APIError(403, "Without an admin key, models can only be changed from this "
+                       "machine (set MLXFLEET_ADMIN_KEY to allow it remotely).",
+                       type="permission_error", code="admin_key_required")
 
 
 def request_id(given: Optional[str]) -> str:
