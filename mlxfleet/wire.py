@@ -172,6 +172,11 @@ def install_error_handlers(app: Quart) -> None:
         return error_response(APIError(413, "The request body is too large.",
                                        code="request_too_large"))
 
+    @app.errorhandler(408)
+    async def _slow_body(_):
+        return error_response(APIError(408, "The request body did not arrive in time.",
+                                       code="request_timeout"))
+
     @app.errorhandler(Exception)
     async def _unexpected(err: Exception):
         log.exception("unexpected error on %s %s", request.method, request.path)
