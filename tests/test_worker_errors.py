@@ -115,3 +115,21 @@ def test_sdk_raises_bad_request_with_message(worker):
         client.chat.completions.create(model="tiny", stream=True,
                                        messages=[{"role": "user", "content": LONG}])
     assert "maximum context length is 2048" in str(e.value)
+
+
+def test_oversized_requests_are_refused_before_tokenizing(worker):
+    with worker.client() as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": ["x"] * 5, "n": 4,
+                                             "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+        huge = "word " * 1_000_000  # 5 MB: cannot fit a 2048-token context
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                  "messages": [{"role": "user",
+                                                                "content": huge}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert "at least" in err["message"] and err["param"] == "messages"
+        ok = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                   "messages": [{"role": "user",
+                                                                 "content": "hi"}]})
+        assert ok.status_code == 200

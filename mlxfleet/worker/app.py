@@ -11,6 +11,7 @@ parses and converts the body, tokenizes and submits, and returns the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from .pipeline import Pipeline
 from .prompts import (
     GenRequest,
     ModelInfo,
+    OutputPlan,
     chat_prompt,
     completion_prompts,
     new_id,
@@ -128,7 +130,7 @@ class Worker:
             body = parse_json_body(await request.get_data())
             extras = sorted(set(body) - _KNOWN_FIELDS - GATEWAY_FIELDS)
             req = to_request(body)
-            pipe = self._submit(req)
+            pipe = await self._submit(req)
         except BaseException:
             self.inflight -= 1
             raise
@@ -140,21 +142,41 @@ class Worker:
         self.calls[pipe.request_id] = pipe
         return req, pipe
 
-    def _submit(self, req: GenRequest) -> Pipeline:
+    async def _submit(self, req: GenRequest) -> Pipeline:
         info = self.model_info()
-        if req.messages is not None:
-            prompts = [chat_prompt(info, req)]
-            plan = output_plan(info, req, prompts[0])
-        else:
-            from .prompts import OutputPlan
-
-            prompts, plan = completion_prompts(info, req), OutputPlan()
-        params = sampling_params(info, req, prompts)
-        params.grammar = plan.grammar
+        self._check_size(info, req)
+        # Templates, tokenizing and grammars run off the event loop: a huge prompt must not
+        # hold up its neighbours' streams.
+        prompts, plan, params = await asyncio.to_thread(_prepare, info, req)
         gen = self.engine.submit(prompts, params, req.n)
         return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
                         not req.parallel_tool_calls)
+
+    def _check_size(self, info: ModelInfo, req: GenRequest) -> None:
+        """Cheap refusals before any tokenizing: more sequences than the batch holds, or a
+        text so long that it cannot fit the context whatever its tokens."""
+        count = (len(req.prompts) if req.prompts is not None else 1) * req.n
+        if count > self.config.max_concurrency:
+            raise APIError(400, f"This request asks for {count} sequences (prompts x n); "
+                           f"model '{self.name}' runs at most {self.config.max_concurrency} "
+                           "at once.", param="n", code="too_many_sequences")
+        ctx = info.context_length
+        if ctx is None:
+            return
+        def size(text: Any) -> int:
+            return len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
+
+        if req.messages is not None:  # one prompt: the whole conversation
+            longest = sum(size(m.get("content")) for m in req.messages)
+        else:  # several prompts: each must fit
+            longest = max((size(p) for p in req.prompts or []), default=0)
+        at_least = longest // info.max_token_bytes
+        if at_least >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
+                           f"However, your prompt has at least {at_least} tokens. Please "
+                           "shorten it.", param=req.prompt_param,
+                           code="context_length_exceeded")
 
     def finished(self, pipe: Pipeline) -> None:
         """The request is over (answered, failed or abandoned): free its slot."""
@@ -207,6 +229,18 @@ _KNOWN_FIELDS = frozenset({
     "stream_options", "stream_interval", "ignore_eos", "logprobs", "top_logprobs", "tools",
     "tool_choice", "parallel_tool_calls", "response_format", "echo", "system", "metadata",
     "skip_special_tokens", "thinking"})
+
+
+def _prepare(info: ModelInfo, req: GenRequest):
+    """Token prompts, output plan and sampling parameters (any thread: no MLX)."""
+    if req.messages is not None:
+        prompts = [chat_prompt(info, req)]
+        plan = output_plan(info, req, prompts[0])
+    else:
+        prompts, plan = completion_prompts(info, req), OutputPlan()
+    params = sampling_params(info, req, prompts)
+    params.grammar = plan.grammar
+    return prompts, plan, params
 
 
 def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:

@@ -6,6 +6,7 @@ plain Python/Rust. Every protocol arrives here as the same ``GenRequest``.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -57,6 +58,16 @@ class ModelInfo:
     context_length: Optional[int]
     vocab_size: int
     defaults: WorkerConfig
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes (at least 1): ``bytes // this`` is a
+        lower bound on a text's token count, known without tokenizing it."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+        except Exception:  # noqa: BLE001 - no vocabulary listing: assume long tokens
+            return 64
+        return max((len(t.encode("utf-8", "replace")) for t in vocab), default=64) or 1
 
 
 def chat_prompt(info: ModelInfo, req: GenRequest) -> list[int]:
