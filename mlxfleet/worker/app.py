@@ -11,7 +11,6 @@ parses and converts the body, tokenizes and submits, and returns the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -145,9 +144,7 @@ class Worker:
     async def _submit(self, req: GenRequest) -> Pipeline:
         info = self.model_info()
         self._check_size(info, req)
-        # Templates, tokenizing and grammars run off the event loop: a huge prompt must not
-        # hold up its neighbours' streams.
-        prompts, plan, params = await asyncio.to_thread(_prepare, info, req)
+        prompts, plan, params = _prepare(info, req)
         gen = self.engine.submit(prompts, params, req.n)
         return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
