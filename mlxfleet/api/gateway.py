@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from quart import Quart, Response, g, request
 
-from ..supervisor.admission import AdmissionError, Lease, timeout_error
+from ..supervisor.admission import AdmissionError, Lease, time_left, timeout_error
 from ..units import parse_duration
 from ..wire import (
     APIError,
@@ -103,7 +103,7 @@ def create_gateway(supervisor: Any) -> Quart:
         ctype = upstream.headers.get("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
-                content = await asyncio.wait_for(upstream.aread(), _left(deadline))
+                content = await asyncio.wait_for(upstream.aread(), time_left(deadline))
             except asyncio.TimeoutError:
                 raise timeout_error(lease.name, timeout) from None
             except httpx.TransportError as e:
@@ -135,17 +135,13 @@ def _keep_alive(value: Any) -> float:
                        code="invalid_value") from None
 
 
-def _left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
-
-
 async def _relay(lease: Lease, upstream: httpx.Response, path: str):
     """The worker's stream, chunk by chunk, until the request's deadline."""
     chunks = upstream.aiter_raw()
     try:
         while True:
             try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), _left(lease.deadline))
+                chunk = await asyncio.wait_for(chunks.__anext__(), time_left(lease.deadline))
             except StopAsyncIteration:
                 break
             yield chunk

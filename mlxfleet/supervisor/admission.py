@@ -37,7 +37,8 @@ class AdmissionError(APIError):
         self.retry_after = retry_after
 
 
-def _left(deadline: float) -> float:
+def time_left(deadline: float) -> float:
+    """Seconds until a ``time.monotonic()`` deadline (never negative)."""
     return max(0.0, deadline - time.monotonic())
 
 
@@ -70,7 +71,7 @@ async def until_ready(sup: Supervisor, rt: ModelRuntime, deadline: float) -> Non
     limit = min(deadline, time.monotonic() + wait)
     rt.waiters += 1
     try:
-        await asyncio.wait_for(_load_and_wait(sup, rt, limit), _left(limit))
+        await asyncio.wait_for(_load_and_wait(sup, rt, limit), time_left(limit))
     except RuntimeError as e:  # the load failed: every waiter hears why
         raise AdmissionError(503, f"Model '{rt.name}' failed to load: {e}",
                              "model_load_failed", retry_after=rt.retry_after()) from None
@@ -87,7 +88,7 @@ async def until_ready(sup: Supervisor, rt: ModelRuntime, deadline: float) -> Non
 async def _load_and_wait(sup: Supervisor, rt: ModelRuntime, limit: float) -> None:
     while not (rt.ready and rt.want_loaded):
         await sup.ensure_loaded(rt)
-        await rt.wait_ready(max(0.1, _left(limit)))
+        await rt.wait_ready(max(0.1, time_left(limit)))
 
 
 def timeout_error(name: str, timeout: float = 0) -> AdmissionError:
@@ -122,7 +123,7 @@ class Lease:
         for attempt in range(2):
             try:
                 return await asyncio.wait_for(
-                    self.worker.forward(method, path, body, headers), _left(self.deadline))
+                    self.worker.forward(method, path, body, headers), time_left(self.deadline))
             except WorkerUnreachable as e:
                 if attempt == 1:
                     raise AdmissionError(502, f"The worker for model '{self.name}' failed: "

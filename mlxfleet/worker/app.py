@@ -129,7 +129,7 @@ class Worker:
             body = parse_json_body(await request.get_data())
             extras = sorted(set(body) - _KNOWN_FIELDS - GATEWAY_FIELDS)
             req = to_request(body)
-            pipe = await self._submit(req)
+            pipe = self._submit(req)
         except BaseException:
             self.inflight -= 1
             raise
@@ -141,10 +141,16 @@ class Worker:
         self.calls[pipe.request_id] = pipe
         return req, pipe
 
-    async def _submit(self, req: GenRequest) -> Pipeline:
+    def _submit(self, req: GenRequest) -> Pipeline:
         info = self.model_info()
         self._check_size(info, req)
-        prompts, plan, params = _prepare(info, req)
+        if req.messages is not None:
+            prompts = [chat_prompt(info, req)]
+            plan = output_plan(info, req, prompts[0])
+        else:
+            prompts, plan = completion_prompts(info, req), OutputPlan()
+        params = sampling_params(info, req, prompts)
+        params.grammar = plan.grammar
         gen = self.engine.submit(prompts, params, req.n)
         return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
@@ -226,18 +232,6 @@ _KNOWN_FIELDS = frozenset({
     "stream_options", "stream_interval", "ignore_eos", "logprobs", "top_logprobs", "tools",
     "tool_choice", "parallel_tool_calls", "response_format", "echo", "system", "metadata",
     "skip_special_tokens", "thinking"})
-
-
-def _prepare(info: ModelInfo, req: GenRequest):
-    """Token prompts, output plan and sampling parameters (any thread: no MLX)."""
-    if req.messages is not None:
-        prompts = [chat_prompt(info, req)]
-        plan = output_plan(info, req, prompts[0])
-    else:
-        prompts, plan = completion_prompts(info, req), OutputPlan()
-    params = sampling_params(info, req, prompts)
-    params.grammar = plan.grammar
-    return prompts, plan, params
 
 
 def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:
