@@ -54,9 +54,12 @@ class Fleet:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / "serve.log"
+        self.run_dir = root / "run"  # where the supervisor makes its private socket folder
+        self.run_dir.mkdir(mode=0o700, exist_ok=True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLXFLEET_BACKOFF_BASE": "0.5",
                     "MLXFLEET_RELOAD_DEBOUNCE_MS": "100", "MLXFLEET_DRAIN_TIMEOUT": "20",
-                    "MLXFLEET_SERVER": self.url, **(env or {})}
+                    "MLXFLEET_SERVER": self.url,
+                    "XDG_RUNTIME_DIR": str(self.run_dir), **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
 
     def write(self, filename: str, text: str) -> Path:
@@ -123,6 +126,10 @@ class Fleet:
         return self.openai().chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
             temperature=0, **kw)
+
+    def sockets(self) -> list[str]:
+        """Worker socket files in the supervisors' runtime folders."""
+        return sorted(p.name for p in self.run_dir.glob("mlxfleet-*/*.sock"))
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -131,6 +131,7 @@ def test_killed_worker_restarts_with_backoff(fleet):
     b = fleet.wait_ready("alpha", pid_not=a["pid"])
     assert b["restarts"] == 1
     assert any(e["reason"] == "WorkerCrashed" for e in b["events"])
+    assert len(fleet.sockets()) == 1  # the dead worker's socket file went with it
     assert fleet.chat("alpha").usage.completion_tokens == 4
 
 
@@ -196,6 +197,16 @@ def test_killing_the_supervisor_leaves_no_orphans(fleet):
     gone = wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status()
                                     != psutil.STATUS_ZOMBIE for p in pids), timeout=10)
     assert gone, [p for p in pids if psutil.pid_exists(p)]
+    # Its socket folder is left behind; the next start removes it.
+    old = list(fleet.run_dir.glob("mlxfleet-*"))
+    assert len(old) == 1
+    fleet.start()
+    fleet.wait_ready("alpha")
+    new = list(fleet.run_dir.glob("mlxfleet-*"))
+    assert len(new) == 1 and new != old
+    assert len(fleet.sockets()) == 2
+    fleet.stop()
+    assert not list(fleet.run_dir.glob("mlxfleet-*"))
 
 
 def test_sigterm_drains_and_stops_workers(fleet):

@@ -203,6 +203,8 @@ class WorkerProcess(InflightCounter):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if not self.alive:  # a crashed worker leaves its socket file behind
+            self.socket_path.unlink(missing_ok=True)
 
 
 _loggers: dict[str, logging.Logger] = {}

@@ -23,6 +23,36 @@ from .scheduler import plan_load
 log = logging.getLogger("mlxfleet.supervisor")
 
 
+RUNTIME_PREFIX = "mlxfleet-"
+OWNER_FILE = "supervisor.pid"
+
+
+def remove_stale_runtime_dirs(base: Path) -> None:
+    """Delete runtime folders (worker sockets) left by supervisors that died without
+    cleaning up: ours, marked with an owner pid that no longer runs."""
+    for d in base.glob(f"{RUNTIME_PREFIX}*"):
+        try:
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / OWNER_FILE).read_text().strip() or 0)
+        except (OSError, ValueError):
+            continue  # not ours, or not a supervisor's folder: leave it alone
+        if pid <= 0 or _pid_alive(pid):
+            continue
+        log.info("removing %s, left by supervisor %d that is gone", d, pid)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Supervisor:
     """Owns every model runtime; the gateway asks it where to send requests."""
 
@@ -48,9 +78,11 @@ class Supervisor:
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
-        base = os.environ.get("XDG_RUNTIME_DIR") if os.name == "posix" else None
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix="mlxfleet-", dir=base or "/tmp"))
+        base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+        remove_stale_runtime_dirs(base)
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
         os.chmod(self.runtime_dir, 0o700)
+        (self.runtime_dir / OWNER_FILE).write_text(str(os.getpid()))
         self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.log_dir, 0o700)
         if not self.manifests_dir.exists():
