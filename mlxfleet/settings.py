@@ -38,7 +38,11 @@ class ServerSettings(BaseSettings):
     backoff_cap: float = Field(60.0, gt=0, description="longest crash-restart delay")
     stable_period: float = Field(60.0, gt=0,
                                  description="seconds Ready that reset the crash backoff")
-    reload_debounce_ms: int = Field(300, ge=0)
+    reload_debounce_ms: int = Field(300, ge=0, description="changes to the manifests folder "
+                                    "closer together than this are read as one")
+    spec_settle_ms: int = Field(1000, ge=0, description="a changed spec must stay unchanged "
+                                "this long before a worker starts for it (a burst of saves "
+                                "starts one worker, not one per save)")
     health_interval: float = Field(5.0, gt=0, description="seconds between health checks of "
                                    "a ready worker (each may take as long)")
     health_failures: int = Field(3, ge=1, description="failed health checks in a row that "

@@ -132,7 +132,7 @@ class FakeFleet:
         self.log: list = []
         self.workers: list[FakeWorker] = []
         opts = {"backoff_base": 0.01, "backoff_cap": 0.05, "worker_overhead_mb": 0,
-                "health_interval": 0.01,
+                "health_interval": 0.01, "spec_settle_ms": 0,
                 "drain_timeout": 2.0, "keep_alive": "forever", **settings}
         self.sup = Supervisor(ServerSettings(manifests_dir=self.dir, state_dir=root / "state",
                                              **opts), worker_factory=self._new)

@@ -141,6 +141,25 @@ async def test_rolling_replace_keeps_serving_until_the_new_worker_is_ready(fleet
     assert rt.observed_generation == rt.generation == 2
 
 
+async def test_a_burst_of_edits_starts_one_worker_for_the_last_spec(tmp_path):
+    f = FakeFleet(tmp_path, spec_settle_ms=300)
+    try:
+        rt, old = await _preloaded(f, "a")
+        for i in range(10):  # saves 30 ms apart, as an editor's autosave would
+            f.write("a", preload=True, defaults={"temperature": i / 10})
+            await f.sup.reload()
+            await asyncio.sleep(0.03)
+        new = await until(lambda: rt.starting)
+        new.become_ready()
+        await until(lambda: rt.current is new)
+        assert f.effects("a").count("spawn") == 2  # the first worker and one replacement
+        assert new.spec_hash == rt.manifest.worker_hash()  # the last save
+        assert rt.manifest.spec.defaults.temperature == 0.9
+        assert rt.observed_generation == rt.generation
+    finally:
+        await f.close()
+
+
 async def test_failed_replacement_leaves_the_old_worker_serving(fleet):
     rt, old = await _preloaded(fleet, "a")
     fleet.write("a", preload=True, defaults={"temperature": 0.5})

@@ -49,6 +49,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self.sup = supervisor
         self.settings = supervisor.settings
         self.generation = 1
+        self.spec_changed_at = -1e9  # monotonic time of the last spec change needing a worker
         self.observed_generation: Optional[int] = None
         self.current: Optional[WorkerHandle] = None  # the worker traffic goes to
         self.starting: Optional[WorkerHandle] = None  # a worker still loading
@@ -117,6 +118,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         if manifest.source_changed(old):
             self.weight_bytes = self.measured_bytes = None
         if restart:
+            self.spec_changed_at = time.monotonic()
             self.event("Normal", "SpecChanged", "spec changed; rolling to a new worker"
                        if self.holds_memory else "spec changed")
             self.failures = 0
@@ -340,6 +342,13 @@ class ModelRuntime(StatusRecord, MemoryAccount):
             self.restarts += 1
         self._wake.clear()  # from here, a wake means: abandon this start
         self._failed.clear()
+        settle = self.spec_changed_at + self.settings.spec_settle_ms / 1000 - time.monotonic()
+        if settle > 0:  # saved moments ago: more saves may follow; start for the last one
+            try:
+                await asyncio.wait_for(self._wake.wait(), settle)
+                return  # changed again (or unloaded, removed): decide afresh
+            except asyncio.TimeoutError:
+                pass
         if self.weight_bytes is None:
             await self._measure_weights()
         w = self.sup.new_worker(self)
