@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from fleet import wait_for
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
@@ -129,7 +130,32 @@ def test_oversized_requests_are_refused_before_tokenizing(worker):
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "context_length_exceeded"
         assert "at least" in err["message"] and err["param"] == "messages"
+        # Long enough to be tokenized in a thread, short enough to pass the cheap bound:
+        # the exact count comes back.
+        long = "word " * 10_000
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                  "messages": [{"role": "user",
+                                                                "content": long}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert "at least" not in err["message"], err
         ok = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
                                                    "messages": [{"role": "user",
                                                                  "content": "hi"}]})
         assert ok.status_code == 200
+
+
+def test_each_sequence_of_n_takes_a_slot(start_worker):
+    w = start_worker("--max-concurrency", "4", "--max-queue", "0", source="builtin:tiny-10m")
+    with w.client() as c:
+        body = {"model": "tiny", "messages": MSG, "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        with c.stream("POST", CHAT, json=body) as held:  # one slot taken
+            lines = held.iter_lines()  # (kept: a dropped iterator closes the stream)
+            next(lines)
+            r = c.post(CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 2, "n": 4})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["Retry-After"]
+            r = c.post(CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 2, "n": 3})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        assert wait_for(lambda: c.get("/v1/status").json()["inflight_requests"] == 0)

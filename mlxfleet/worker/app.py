@@ -11,6 +11,7 @@ parses and converts the body, tokenizes and submits, and returns the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -88,6 +89,31 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
                          methods=["POST"])
 
 
+#: Prompts with more text than this are templated and tokenized in a thread.
+INLINE_PREPARE_BYTES = 32 * 1024
+
+
+def _text_bytes(content: Any) -> int:
+    """UTF-8 size of a message's text: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return len(content.encode("utf-8", "replace"))
+    if isinstance(content, list):
+        return sum(_text_bytes(p.get("text")) for p in content if isinstance(p, dict))
+    return 0
+
+
+def _prepare(info: ModelInfo, req: GenRequest):
+    """Prompt tokens, output plan (parsers, grammar) and sampling parameters; no MLX."""
+    if req.messages is not None:
+        prompts = [chat_prompt(info, req)]
+        plan = output_plan(info, req, prompts[0])
+    else:
+        prompts, plan = completion_prompts(info, req), OutputPlan()
+    params = sampling_params(info, req, prompts)
+    params.grammar = plan.grammar
+    return prompts, plan, params
+
+
 class Worker:
     """Admission and request preparation for one generation engine."""
 
@@ -95,7 +121,7 @@ class Worker:
         self.engine = engine
         self.config = engine.config
         self.name = engine.config.name
-        self.inflight = 0  # requests admitted and not finished
+        self.inflight = 0  # sequences admitted and not finished (n x prompts per request)
         self.calls: dict[str, Pipeline] = {}
         self._info: Optional[ModelInfo] = None
 
@@ -123,15 +149,25 @@ class Worker:
             raise APIError(503, f"Model '{self.name}' is at capacity ({self.inflight} "
                            "requests in flight); retry shortly.", type="service_unavailable",
                            code="queue_full", headers={"Retry-After": "1"})
-        self.inflight += 1
+        weight = 1  # in-flight slots this request takes: one per sequence
+        self.inflight += weight
         self.engine.announce(1)
         try:
             body = parse_json_body(await request.get_data())
             extras = sorted(set(body) - _KNOWN_FIELDS - GATEWAY_FIELDS)
             req = to_request(body)
-            pipe = self._submit(req)
+            if req.sequences > 1:
+                self.inflight += req.sequences - weight
+                weight = req.sequences
+                if self.inflight > cap and weight <= self.config.max_concurrency:
+                    raise APIError(503, f"Model '{self.name}' has no room for {weight} more "
+                                   f"sequences ({self.inflight - weight} in flight); retry "
+                                   "shortly.", type="service_unavailable", code="queue_full",
+                                   headers={"Retry-After": "1"})
+            pipe = await self._submit(req)
+            pipe.weight = weight
         except BaseException:
-            self.inflight -= 1
+            self.inflight -= weight
             raise
         finally:
             self.engine.announce(-1)
@@ -141,52 +177,49 @@ class Worker:
         self.calls[pipe.request_id] = pipe
         return req, pipe
 
-    def _submit(self, req: GenRequest) -> Pipeline:
+    async def _submit(self, req: GenRequest) -> Pipeline:
         info = self.model_info()
-        self._check_size(info, req)
-        if req.messages is not None:
-            prompts = [chat_prompt(info, req)]
-            plan = output_plan(info, req, prompts[0])
+        text_bytes = self._check_size(info, req)
+        if text_bytes > INLINE_PREPARE_BYTES:
+            # Templating and tokenizing a long text takes a while: off the event loop, so
+            # the neighbours' streams keep flowing. (Short ones stay inline: a thread hop
+            # costs more than they do.)
+            prompts, plan, params = await asyncio.to_thread(_prepare, info, req)
         else:
-            prompts, plan = completion_prompts(info, req), OutputPlan()
-        params = sampling_params(info, req, prompts)
-        params.grammar = plan.grammar
+            prompts, plan, params = _prepare(info, req)
         gen = self.engine.submit(prompts, params, req.n)
         return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
                         not req.parallel_tool_calls)
 
-    def _check_size(self, info: ModelInfo, req: GenRequest) -> None:
+    def _check_size(self, info: ModelInfo, req: GenRequest) -> int:
         """Cheap refusals before any tokenizing: more sequences than the batch holds, or a
-        text so long that it cannot fit the context whatever its tokens."""
-        count = (len(req.prompts) if req.prompts is not None else 1) * req.n
+        text so long that it cannot fit the context whatever its tokens. Returns the
+        prompt text's size in bytes."""
+        count = req.sequences
         if count > self.config.max_concurrency:
             raise APIError(400, f"This request asks for {count} sequences (prompts x n); "
                            f"model '{self.name}' runs at most {self.config.max_concurrency} "
                            "at once.", param="n", code="too_many_sequences")
-        ctx = info.context_length
-        if ctx is None:
-            return
-        def size(text: Any) -> int:
-            return len(text.encode("utf-8", "replace")) if isinstance(text, str) else 0
-
         if req.messages is not None:  # one prompt: the whole conversation
-            longest = sum(size(m.get("content")) for m in req.messages)
+            sizes = [sum(_text_bytes(m.get("content")) for m in req.messages)]
         else:  # several prompts: each must fit
-            longest = max((size(p) for p in req.prompts or []), default=0)
-        at_least = longest // info.max_token_bytes
-        if at_least >= ctx:
+            sizes = [_text_bytes(p) for p in req.prompts or []]
+        ctx = info.context_length
+        at_least = max(sizes, default=0) // info.max_token_bytes
+        if ctx is not None and at_least >= ctx:
             raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
                            f"However, your prompt has at least {at_least} tokens. Please "
                            "shorten it.", param=req.prompt_param,
                            code="context_length_exceeded")
+        return sum(sizes)
 
     def finished(self, pipe: Pipeline) -> None:
         """The request is over (answered, failed or abandoned): free its slot."""
         pipe.close()
         if self.calls.pop(pipe.request_id, None) is None:
             return
-        self.inflight -= 1
+        self.inflight -= pipe.weight
         g = pipe.gen
         ttft = (g.first_token_at - g.submitted_at) if g.first_token_at else None
         log.info("request %s: %d prompt (%d cached) + %d completion tokens in %.2fs, "

@@ -48,6 +48,11 @@ class GenRequest:
     skip_special_tokens: bool = True
     prompt_param: str = "messages"  # the field errors about the prompt name
 
+    @property
+    def sequences(self) -> int:
+        """How many sequences this request puts in the batch (prompts x n)."""
+        return (len(self.prompts) if self.prompts is not None else 1) * self.n
+
 
 @dataclass
 class ModelInfo:
