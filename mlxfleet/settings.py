@@ -77,6 +77,8 @@ class ServerSettings(BaseSettings):
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")
     max_body_mb: int = Field(32, gt=0, description="largest request body")
+    body_timeout: float = Field(60.0, gt=0, description="seconds a request body may take to "
+                                "arrive (408 after)")
     enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")
     log_json: bool = Field(False, description="JSON log lines")
     # Per-model defaults for manifests that set none (unset: the worker's own defaults).

@@ -24,6 +24,7 @@ def secured(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("sec"), env={"MLXFLEET_API_KEY": "k1, k2",
                                                    "MLXFLEET_ENABLE_METRICS": "1",
                                                    "MLXFLEET_MAX_BODY_MB": "1",
+                                                   "MLXFLEET_BODY_TIMEOUT": "2",
                                                    "MLXFLEET_DEFAULT_CACHE_MB": "256"})
     f.write("tiny.yaml", manifest("tiny"))
     f.write("slow.yaml", manifest("slow", source="builtin:tiny-10m",
@@ -262,6 +263,27 @@ def test_client_mistakes_are_400s_naming_the_field(secured, change, field):
                    json={**CHAT, **change})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(field)
+
+
+def test_a_body_that_never_finishes_gets_a_408(secured):
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", secured.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Authorization: Bearer k1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\"")
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=30, json=CHAT)
+    assert r.status_code == 200, r.text
 
 
 def test_nan_keep_alive_and_deep_json_are_400s_and_status_still_works(secured):

@@ -43,7 +43,7 @@ def create_gateway(supervisor: Any) -> Quart:
 
     settings = supervisor.settings
     app = Quart("mlxfleet.gateway")
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60,
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=settings.body_timeout,
                       MAX_CONTENT_LENGTH=settings.max_body_mb << 20)
     install_error_handlers(app)
     install_guard(app, settings.api_keys, settings.rate_limit, settings.admin_keys)
