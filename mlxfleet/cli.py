@@ -320,7 +320,7 @@ def _run_get(args) -> int:
     mem = data.get("memory")
     if mem:
         print(f"\nmemory: {fmt_bytes(mem['usedBytes'])} used of "
-              f"{fmt_bytes(mem['budgetBytes'])} budget, "
+              f"{fmt_bytes(mem['budgetBytes'])} budget ({mem.get('budgetSource', 'set')}), "
               f"{fmt_bytes(max(mem['freeBytes'], 0))} free")
     for errs in data.get("manifestErrors", {}).values():
         for e in errs:

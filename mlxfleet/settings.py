@@ -4,6 +4,7 @@ which override an optional YAML settings file (``--config`` or ``MLXFLEET_CONFIG
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,8 +63,13 @@ class ServerSettings(BaseSettings):
         "they could make room")
     keep_alive: str = Field("5m", description="idle time before a model unloads, when its "
                             "manifest sets none: 30s, 5m, 1h, 0, -1/forever")
-    memory_budget: str = Field("70%", description="memory all loaded models may use: bytes "
-                               "(12GB, 512MiB) or a share of physical memory (70%)")
+    memory_budget: str = Field("auto", description="memory all loaded models may use: "
+                               "bytes (12GB, 512MiB), a share of physical memory (70%), or "
+                               "auto: Metal's recommended working set on Apple Silicon, 70% "
+                               "of physical memory elsewhere")
+    wired_limit: Optional[str] = Field(None, description="macOS: each worker's Metal wired "
+                                       "memory limit (bytes or a share of physical memory); "
+                                       "unset: the system's, never raised by default")
     max_loaded_models: int = Field(0, ge=0, description="0 = no limit")
     worker_overhead_mb: int = Field(300, ge=0, description="memory a worker needs beyond "
                                     "weights and KV cache, until measured")
@@ -105,12 +111,13 @@ class ServerSettings(BaseSettings):
         parse_duration(v)
         return v
 
-    @field_validator("memory_budget")
+    @field_validator("memory_budget", "wired_limit")
     @classmethod
-    def _budget(cls, v: str) -> str:
+    def _budget(cls, v: Optional[str]) -> Optional[str]:
         from .units import parse_memory
 
-        parse_memory(v, 1 << 30)
+        if v is not None and v != "auto":
+            parse_memory(v, 1 << 30)
         return v
 
     @property
@@ -129,12 +136,28 @@ class ServerSettings(BaseSettings):
 
         return parse_duration(self.keep_alive)
 
-    def memory_budget_bytes(self) -> int:
+    def memory_budget_bytes(self) -> tuple[int, str]:
+        """The budget in bytes, and where it comes from (shown by ``get models``)."""
         import psutil
 
         from .units import parse_memory
 
-        return parse_memory(self.memory_budget, psutil.virtual_memory().total)
+        total = psutil.virtual_memory().total
+        if self.memory_budget != "auto":
+            return parse_memory(self.memory_budget, total), f"set: {self.memory_budget}"
+        working_set = metal_working_set()
+        if working_set:
+            return working_set, "Metal recommended working set"
+        return int(total * 0.7), "70% of physical memory"
+
+    def wired_limit_bytes(self) -> Optional[int]:
+        import psutil
+
+        from .units import parse_memory
+
+        if self.wired_limit is None:
+            return None
+        return parse_memory(self.wired_limit, psutil.virtual_memory().total)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
@@ -149,6 +172,22 @@ class ServerSettings(BaseSettings):
                 raise FileNotFoundError(f"settings file {path} does not exist")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+
+def metal_working_set() -> Optional[int]:
+    """Metal's recommended working set in bytes on Apple Silicon, else None. (MLX is
+    imported only on macOS: elsewhere there is no Metal to ask.)"""
+    if sys.platform != "darwin":
+        return None
+    try:
+        import mlx.core as mx
+
+        if not mx.metal.is_available():
+            return None
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]) or None
+    except Exception:  # noqa: BLE001 - no Metal answer: fall back to a share of RAM
+        return None
 
 
 def load_settings(**flags: Any) -> ServerSettings:

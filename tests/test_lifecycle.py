@@ -13,6 +13,7 @@ import time
 import pytest
 from fakes import FakeFleet, until
 
+from mlxfleet.settings import ServerSettings
 from mlxfleet.supervisor.admission import AdmissionError
 from mlxfleet.supervisor.handle import WorkerHandle, WorkerUnreachable
 from mlxfleet.supervisor.lifecycle import Desired, ModelPhase, Observed, Step, next_step
@@ -346,3 +347,22 @@ async def test_a_missing_manifests_folder_stops_nothing(fleet):
     fleet.dir.mkdir()
     await fleet.sup.reload()  # back, and empty: now the model goes
     assert "a" not in fleet.sup.models
+
+
+def test_the_default_budget_says_where_it_comes_from(tmp_path, monkeypatch):
+    import psutil
+
+    from mlxfleet import settings as settings_mod
+
+    s = ServerSettings(manifests_dir=tmp_path)
+    total = psutil.virtual_memory().total
+    monkeypatch.setattr(settings_mod, "metal_working_set", lambda: None)  # Linux, Intel Mac
+    assert s.memory_budget_bytes() == (int(total * 0.7), "70% of physical memory")
+    # On Apple Silicon, what Metal recommends. (No Metal here: its answer is simulated.)
+    monkeypatch.setattr(settings_mod, "metal_working_set", lambda: 48 << 30)
+    assert s.memory_budget_bytes() == (48 << 30, "Metal recommended working set")
+    s = ServerSettings(manifests_dir=tmp_path, memory_budget="12GB", wired_limit="50%")
+    assert s.memory_budget_bytes() == (12 << 30, "set: 12GB")
+    assert s.wired_limit_bytes() == total // 2
+    with pytest.raises(ValueError):
+        ServerSettings(manifests_dir=tmp_path, wired_limit="lots")

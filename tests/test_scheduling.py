@@ -250,7 +250,7 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
         assert f.status("a")["ready"] and f.status("b")["phase"] == "Unloaded"
         # The table shows the memory picture.
         out = f.cli("get", "models", "-o", "wide").stdout
-        assert "memory:" in out and "budget" in out and "EXPIRES" in out
+        assert "memory:" in out and "budget (set: 1200MB)" in out and "EXPIRES" in out
     finally:
         f.stop()
 

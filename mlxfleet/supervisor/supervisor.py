@@ -74,7 +74,7 @@ class Supervisor:
         self._sched_lock = asyncio.Lock()
         self._idle = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.memory_budget = settings.memory_budget_bytes()
+        self.memory_budget, self.memory_budget_source = settings.memory_budget_bytes()
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -236,7 +236,8 @@ class Supervisor:
     def memory_status(self) -> dict:
         used = sum(rt.footprint() for rt in self.models.values() if rt.holds_memory)
         loaded = [n for n, rt in self.models.items() if rt.holds_memory]
-        return {"budgetBytes": self.memory_budget, "usedBytes": used,
+        return {"budgetBytes": self.memory_budget, "budgetSource": self.memory_budget_source,
+                "usedBytes": used,
                 "freeBytes": self.memory_budget - used, "loaded": sorted(loaded),
                 "maxLoadedModels": self.settings.max_loaded_models or None}
 

@@ -33,5 +33,6 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
         "stream_interval": pick(s.defaults.stream_interval, "stream_interval"),
         "tool_call_parser": s.parsers.tool_call, "reasoning_parser": s.parsers.reasoning,
         "drain_timeout": getattr(server, "drain_timeout", None),
+        "wired_limit_bytes": getattr(server, "wired_limit_bytes", lambda: None)(),
     }
     return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})

@@ -56,11 +56,13 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
 
     @app.get("/health")
     async def health():
-        ok = engine.state == "ready"
-        body = {"status": "ok" if ok else engine.state, "model": name, "state": engine.state,
+        problem = engine.problem() if hasattr(engine, "problem") else None
+        state = "failed" if problem else engine.state
+        ok = state == "ready"
+        body = {"status": "ok" if ok else state, "model": name, "state": state,
                 "source": engine.source, "task": task, "blas": blas.active}
-        if engine.error:
-            body["error"] = engine.error
+        if problem or engine.error:
+            body["error"] = problem or engine.error
         return body, 200 if ok else 503
 
     @app.get("/v1/models")
@@ -128,6 +130,11 @@ class Worker:
     def model_info(self) -> ModelInfo:
         e = self.engine
         if e.state == "ready":
+            problem = e.problem()
+            if problem:
+                raise APIError(503, f"Model '{self.name}' cannot serve: {problem}; it will "
+                               "be restarted.", type="service_unavailable",
+                               code="engine_unavailable", headers={"Retry-After": "5"})
             if self._info is None:
                 self._info = ModelInfo(self.name, e.tokenizer, e.context_length,
                                        e.vocab_size, self.config)

@@ -52,6 +52,10 @@ class _Seq:
     decoder: SequenceDecoder
 
 
+#: Batch steps failing this many times in a row take the engine down (restart).
+STEP_FAILURES_FATAL = 3
+
+
 class Engine:
     """Loads one model on a dedicated thread and serves generations from it."""
 
@@ -75,6 +79,12 @@ class Engine:
         self._stop = False
         self._published = 0.0
         self.announced = 0  # requests being parsed and tokenized on the event loop
+        # Engine-thread liveness, for /health: when the loop last went round, and whether
+        # it has work (an idle engine blocks on its inbox, which is not a stall).
+        self.heartbeat = time.monotonic()
+        self.busy = False
+        self.memory_limit: Optional[int] = None  # MLX's limit, set after the load
+        self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
 
     # ---- event-loop side -------------------------------------------------
 
@@ -83,6 +93,17 @@ class Engine:
         self.state = "loading"
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
+
+    def problem(self) -> Optional[str]:
+        """Why a ready engine cannot serve (its thread died or is stuck), else None."""
+        if self.state != "ready":
+            return None
+        if self._thread is not None and not self._thread.is_alive():
+            return "the engine thread is not running"
+        stalled = time.monotonic() - self.heartbeat
+        if self.busy and stalled > self.config.stall_timeout:
+            return f"the engine has not made progress for {stalled:.0f}s"
+        return None
 
     async def wait_ready(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
@@ -158,13 +179,22 @@ class Engine:
         # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
         # model. Bound it by the KV budget so the worker's memory stays predictable.
         mx.set_cache_limit(max(64 << 20, self.config.cache_bytes // 4))
+        # This worker's share of memory: its weights, its KV budget and room for
+        # activations. Past it MLX frees its cache and waits for work in flight before
+        # allocating more; only with no memory left does an allocation fail, and that
+        # fails the batch (see _serve), not the process.
+        self.memory_limit = (mx.get_active_memory() + self.config.cache_bytes
+                             + max(512 << 20, self.config.cache_bytes // 2))
+        mx.set_memory_limit(self.memory_limit)
+        if self.config.wired_limit_bytes and mx.metal.is_available():
+            mx.set_wired_limit(self.config.wired_limit_bytes)
         self._init_batching()
         self.load_seconds = time.monotonic() - t0
         log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
                  self.load_seconds, self.context_length)
 
-    def _init_batching(self) -> None:
-        from mlx_lm.generate import BatchGenerator, StopSequences
+    def _new_batch(self) -> None:
+        from mlx_lm.generate import BatchGenerator
 
         cfg = self.config
         self._bg = BatchGenerator(
@@ -175,6 +205,12 @@ class Engine:
             prefill_step_size=cfg.prefill_step_size,
             stream=self._stream,
         )
+
+    def _init_batching(self) -> None:
+        from mlx_lm.generate import StopSequences
+
+        cfg = self.config
+        self._new_batch()
         self.policy = self._policy_override or AdmissionPolicy(
             budget=cfg.cache_bytes, kv_per_token=kv_bytes_per_token(self._model),
             prefill_batch=min(cfg.prefill_batch_size, cfg.max_concurrency))
@@ -188,9 +224,12 @@ class Engine:
 
     def _serve(self) -> None:
         while not self._stop:
+            self.heartbeat = time.monotonic()
             if not self._seqs and not self._pending:
                 self._publish(force=True)
+                self.busy = False
                 item = self._inbox.get()  # idle: sleep until there is work
+                self.busy, self.heartbeat = True, time.monotonic()
                 if not self._handle(item):
                     break
                 if not self._coalesce():
@@ -204,8 +243,30 @@ class Engine:
                     return
             self._admit()
             if self._seqs:
-                self._step()
+                try:
+                    self._step()
+                    self._step_failures = 0
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: see _step_failed
+                    self._step_failed(e)
             self._publish()
+
+    def _step_failed(self, e: Exception) -> None:
+        """A batch step raised (an allocation beyond what the machine has, most likely):
+        fail the running requests with a clear error, start an empty batch and keep
+        serving. Several failures in a row mean the engine is broken: give up (the
+        worker reports failed and the supervisor restarts it)."""
+        import mlx.core as mx
+
+        self._step_failures += 1
+        log.error("generation step failed (%d in a row): %s: %s", self._step_failures,
+                  type(e).__name__, e)
+        if self._step_failures >= STEP_FAILURES_FATAL:
+            raise e
+        self._fail_active(f"{type(e).__name__}: {e}")
+        self._reserved = 0
+        self._new_batch()
+        mx.clear_cache()
+        self._count()
 
     def _coalesce(self) -> bool:
         """After an idle spell, wait briefly for more requests so that a burst is
@@ -358,7 +419,8 @@ class Engine:
             return
         self._published = now
         self.snapshot = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
-                         "grammar": grammar_stats(), "mlx_memory": mlx_memory(),
+                         "grammar": grammar_stats(),
+                         "mlx_memory": {**mlx_memory(), "limit_bytes": self.memory_limit},
                          "prompt_cache": self.prompt_cache.status()}
 
     def _post(self, events: list[tuple[Generation, Any]]) -> None:

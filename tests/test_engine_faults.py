@@ -1,0 +1,78 @@
+"""The engine thread under faults this machine cannot produce for real: an allocation
+failure (MLX raises when memory runs out; on a 2-core Linux box with swap it never does) and
+a step that hangs. Both are simulated by replacing the batch generator's ``next`` on a real
+engine with a real tiny model; everything else is real."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mlxfleet.worker.config import WorkerConfig
+from mlxfleet.worker.engine import STEP_FAILURES_FATAL, Engine
+from mlxfleet.worker.generation import EngineError, TokenEvent
+from mlxfleet.worker.sampling import SamplingParams
+
+
+@pytest.fixture
+async def engine():
+    e = Engine(WorkerConfig(name="t", source="builtin:tiny-10m", stall_timeout=0.5))
+    e.start(asyncio.get_running_loop())
+    await e.wait_ready()
+    assert e.state == "ready", e.error
+    yield e
+    await asyncio.to_thread(e.stop)
+
+
+async def run(e: Engine, max_tokens: int = 4) -> list:
+    """Submit one prompt; the events until it ends (tokens, or an EngineError)."""
+    gen = e.submit([[1, 2, 3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    out = []
+    while True:
+        ev = await asyncio.wait_for(gen.events.get(), 30)
+        out.append(ev)
+        if isinstance(ev, EngineError) or (isinstance(ev, TokenEvent) and ev.finish_reason):
+            return out
+
+
+def out_of_memory(*_a, **_k):
+    raise RuntimeError("[metal::malloc] Attempting to allocate 99 GB (simulated)")
+
+
+async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine):
+    assert engine.memory_limit and engine.snapshot["mlx_memory"]["limit_bytes"]
+    engine._bg.next = out_of_memory  # the batch running now fails once
+    events = await run(engine)
+    assert isinstance(events[-1], EngineError) and "malloc" in events[-1].message
+    events = await run(engine)  # a fresh batch serves the next request
+    assert [type(e) for e in events] == [TokenEvent] * 4
+    await asyncio.sleep(0.2)  # the engine publishes its counters when it goes idle
+    assert engine.problem() is None and engine.snapshot["kv_reserved_bytes"] == 0
+
+
+async def test_failures_in_a_row_take_the_engine_down(engine, monkeypatch):
+    monkeypatch.setattr(Engine, "_new_batch", lambda self: None)  # keeps the broken batch
+    engine._bg.next = out_of_memory
+    for _ in range(STEP_FAILURES_FATAL):
+        assert isinstance((await run(engine))[-1], EngineError)
+    await asyncio.sleep(0.2)
+    assert engine.state == "failed" and "malloc" in engine.error
+
+
+async def test_a_stuck_step_is_reported_then_clears(engine):
+    real = engine._bg.next
+
+    def stuck(*a, **k):
+        time.sleep(1.5)
+        return real(*a, **k)
+
+    engine._bg.next = stuck
+    task = asyncio.ensure_future(run(engine, max_tokens=2))
+    await asyncio.sleep(1.0)
+    assert "not made progress" in (engine.problem() or "")
+    engine._bg.next = real
+    await task
+    await asyncio.sleep(0.1)
+    assert engine.problem() is None
