@@ -50,7 +50,7 @@ class WorkerConfig(BaseModel):
     reasoning_parser: Optional[str] = Field(None, description="qwen3 or deepseek_r1")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for "
                                  "in-flight requests")
-    stall_timeout: float = Field(120.0, gt=0, description="seconds the engine may hold work "
+    stall_timeout: float = Field(300.0, gt=0, description="seconds the engine may hold work "
                                  "without completing a step before /health reports it")
     wired_limit_bytes: Optional[int] = Field(None, gt=0, description="macOS: Metal wired "
                                              "memory limit (mx.set_wired_limit); unset: "
