@@ -1,9 +1,10 @@
 """Wire code shared by the gateway and the worker: errors, JSON bodies, SSE.
 
 Neither side owns this module; both import it. An ``APIError`` raised anywhere
-leaves as the protocol's own error shape: OpenAI's ``{"error": {...}}``, or
-Anthropic's ``{"type": "error", ...}`` on the ``/v1/messages`` routes, as a
-JSON response or, once a stream has started, as an in-band event.
+leaves as the protocol's own error shape: OpenAI's ``{"error": {...}}``,
+Anthropic's ``{"type": "error", ...}`` on the ``/v1/messages`` routes, or
+Ollama's ``{"error": "..."}`` on ``/api/...``, as a JSON response or, once a
+stream has started, as an in-band event.
 """
 
 from __future__ import annotations
@@ -115,25 +116,39 @@ def anthropic_body(err: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-def is_anthropic(path: Optional[str] = None) -> bool:
-    """Requests to the Anthropic routes get Anthropic's error shape."""
+def protocol(path: Optional[str] = None) -> str:
+    """Which protocol a route speaks, for its error shape: ``anthropic`` (/v1/messages),
+    ``ollama`` (/api/...) or ``openai`` (the rest). ``path`` defaults to this request's."""
     if path is None:
         try:
             path = request.path
         except RuntimeError:  # outside a request
-            return False
-    return path.startswith("/v1/messages")
+            return "openai"
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
 
 
 def error_body(err: APIError, path: Optional[str] = None) -> dict[str, Any]:
-    """The error in the shape of the protocol ``path`` (default: this request's) speaks."""
-    return anthropic_body(err) if is_anthropic(path) else err.body()
+    """The error in the shape of the protocol ``path`` (default: this request's) speaks:
+    Anthropic's typed object, Ollama's ``{"error": "..."}``, or OpenAI's."""
+    kind = protocol(path)
+    if kind == "anthropic":
+        return anthropic_body(err)
+    if kind == "ollama":
+        return {"error": err.message}
+    return err.body()
 
 
 def stream_error(err: APIError, path: Optional[str] = None) -> str:
     """The error as the last event of a stream that has already started."""
-    if is_anthropic(path):
+    kind = protocol(path)
+    if kind == "anthropic":
         return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"
+    if kind == "ollama":  # NDJSON: Ollama's clients raise on an "error" line
+        return json.dumps({"error": err.message}) + "\n"
     return sse(err.body()) + "data: [DONE]\n\n"
 
 

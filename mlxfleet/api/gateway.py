@@ -27,12 +27,16 @@ from ..wire import (
     streaming_response,
 )
 from .metrics import Metrics, tag_model
+from .ollama import load_or_unload, register_ollama
 
 log = logging.getLogger("mlxfleet.gateway")
 
 #: Routes forwarded to the worker named by the body's ``model``.
 MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
-                "/v1/messages/count_tokens", "/v1/embeddings"]
+                "/v1/messages/count_tokens", "/v1/embeddings",
+                "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"]
+#: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
+_STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
 
 
@@ -85,9 +89,15 @@ def create_gateway(supervisor: Any) -> Quart:
         rt = supervisor.resolve(model)
         timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
         deadline = time.monotonic() + timeout
+        ollama = request.path.startswith("/api/")
+        if ollama:
+            done = await load_or_unload(supervisor, request.path, body, model, keep_alive,
+                                        deadline)
+            if done is not None:
+                return done
         target = (request.method, request.path, raw, headers)
         acquire = supervisor.acquire(model, deadline, keep_alive)
-        if rt is not None and not rt.ready and body.get("stream") is True:
+        if rt is not None and not rt.ready and body.get("stream") is True and not ollama:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             tag_model(rt.name)
@@ -101,7 +111,7 @@ def create_gateway(supervisor: Any) -> Quart:
             lease.release()
             raise
         ctype = upstream.headers.get("content-type", "application/json")
-        if not ctype.startswith("text/event-stream"):
+        if not ctype.startswith(_STREAMING):
             try:
                 content = await asyncio.wait_for(upstream.aread(), time_left(deadline))
             except asyncio.TimeoutError:
@@ -124,6 +134,7 @@ def create_gateway(supervisor: Any) -> Quart:
         app.add_url_rule(route, endpoint=route, view_func=forward, methods=["POST"])
 
     register_control(app, supervisor)
+    register_ollama(app, supervisor)
     return app
 
 

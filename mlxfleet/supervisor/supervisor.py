@@ -137,10 +137,13 @@ class Supervisor:
     # ---- routing ---------------------------------------------------------
 
     def resolve(self, model: str) -> Optional[ModelRuntime]:
-        """The runtime for a model name or alias, if any."""
+        """The runtime for a model name or alias, if any. ``NAME:latest`` (how Ollama's
+        clients name a model) is NAME unless something is called that exactly."""
         rt = self.models.get(model)
         if rt is None and model in self.aliases:
             rt = self.models.get(self.aliases[model])
+        if rt is None and model.endswith(":latest"):
+            return self.resolve(model[:-len(":latest")])
         return rt if rt is not None and not rt.removed else None
 
     def names(self) -> list[str]:

@@ -44,7 +44,8 @@ from .prompts import (
 log = logging.getLogger("mlxfleet.worker")
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-                   "/v1/messages/count_tokens")
+                   "/v1/messages/count_tokens", "/api/chat", "/api/generate")
+EMBED_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 
 
 def common_routes(app: Quart, name: str, task: str, engine: Any,
@@ -77,7 +78,7 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
                 "uptime_s": round(time.time() - started, 3),
                 "load_seconds": engine.load_seconds, "blas": blas.active, **status()}
 
-    other = ("/v1/embeddings",) if task == "generate" else GENERATE_ROUTES
+    other = EMBED_ROUTES if task == "generate" else GENERATE_ROUTES
     use = "/v1/chat/completions, /v1/completions or /v1/messages" if task == "generate" \
         else "/v1/embeddings"
 
@@ -110,7 +111,9 @@ def _prepare(info: ModelInfo, req: GenRequest):
         prompts = [chat_prompt(info, req)]
         plan = output_plan(info, req, prompts[0])
     else:
-        prompts, plan = completion_prompts(info, req), OutputPlan()
+        prompts = completion_prompts(info, req)
+        plan = output_plan(info, req, prompts[0]) if req.response_schema and \
+            len(prompts) == 1 else OutputPlan()
     params = sampling_params(info, req, prompts)
     params.grammar = plan.grammar
     return prompts, plan, params
@@ -241,7 +244,8 @@ class Worker:
         finally:
             self.finished(pipe)
 
-    def stream(self, pipe: Pipeline, body: AsyncIterator[str]):
+    def stream(self, pipe: Pipeline, body: AsyncIterator[str],
+               content_type: str = "text/event-stream"):
         """A streaming answer; an error after the first byte goes in-band, in the shape
         of this route's protocol."""
         path = request.path
@@ -256,7 +260,7 @@ class Worker:
             finally:
                 self.finished(pipe)
 
-        return streaming_response(tracked())
+        return streaming_response(tracked(), content_type=content_type)
 
     def status(self) -> dict[str, Any]:
         return {"context_length": self.engine.context_length,
@@ -293,6 +297,7 @@ def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:
 def create_app(engine: Engine) -> Quart:
     """Build the Quart app serving ``engine`` over the OpenAI and Anthropic APIs."""
     from .anthropic import register_anthropic
+    from .ollama import register_ollama
     from .openai_api import register_openai
 
     app = Quart("mlxfleet.worker")
@@ -300,4 +305,5 @@ def create_app(engine: Engine) -> Quart:
     common_routes(app, worker.name, "generate", engine, worker.status)
     register_openai(app, worker)
     register_anthropic(app, worker)
+    register_ollama(app, worker)
     return app

@@ -45,6 +45,31 @@ class EmbeddingRequest(BaseModel):
         return v
 
 
+class OllamaEmbedRequest(BaseModel):
+    """Ollama's ``/api/embed``: ``truncate`` (default true) cuts inputs to the context."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    input: Union[str, list[str]]
+    truncate: bool = True
+    dimensions: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("input")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        return v
+
+
+class OllamaEmbeddingsRequest(BaseModel):
+    """Ollama's older ``/api/embeddings``: one ``prompt``, one ``embedding``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    prompt: str = ""
+
+
 def _bert(config: dict):
     import mlx.core as mx
     import mlx.nn as nn
@@ -217,18 +242,15 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
     common_routes(app, name, "embedding", engine, lambda: {
         "requests_total": engine.requests_total, "prompt_tokens_total": engine.tokens_total})
 
-    @app.post("/v1/embeddings")
-    async def embeddings():
-        req = parse_model(EmbeddingRequest, parse_json_body(await request.get_data()))
+    def ready() -> None:
         if engine.state != "ready":
             raise APIError(503, f"Model '{name}' is not available: "
                            f"{engine.error or engine.state}", type="service_unavailable",
                            code="model_unavailable", headers={"Retry-After": "1"})
-        if req.dimensions is not None:
-            raise APIError(400, f"Model '{name}' does not support 'dimensions'.",
-                           param="dimensions", code="unsupported_parameter")
+
+    async def embed(inp: Any, truncate: bool = False) -> tuple[list[list[float]], int]:
+        """Vectors for strings or token lists, and the tokens they took."""
         tok = engine.tokenizer
-        inp = req.input
         if isinstance(inp, str):
             batch = [tok(inp)["input_ids"]]
         elif all(isinstance(x, str) for x in inp):
@@ -242,18 +264,51 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
             if not ids:
                 raise APIError(400, f"Input {i} is empty.", param="input", code="empty_input")
             if len(ids) > engine.context_length:
-                raise APIError(400, f"Input {i} has {len(ids)} tokens; this model's maximum "
-                               f"context length is {engine.context_length} tokens.",
-                               param="input", code="context_length_exceeded")
+                if truncate:
+                    batch[i] = ids = ids[:engine.context_length]
+                else:
+                    raise APIError(400, f"Input {i} has {len(ids)} tokens; this model's "
+                                   f"maximum context length is {engine.context_length} "
+                                   "tokens.", param="input", code="context_length_exceeded")
             if any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"Input {i} has a token id outside the vocabulary.",
                                param="input", code="invalid_token")
-        vectors = await engine.embed(batch)
-        n = sum(map(len, batch))
+        return await engine.embed(batch), sum(map(len, batch))
+
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        req = parse_model(EmbeddingRequest, parse_json_body(await request.get_data()))
+        ready()
+        if req.dimensions is not None:
+            raise APIError(400, f"Model '{name}' does not support 'dimensions'.",
+                           param="dimensions", code="unsupported_parameter")
+        vectors, n = await embed(req.input)
         return {"object": "list", "model": name,
                 "data": [{"object": "embedding", "index": i,
                           "embedding": encode_vector(v, req.encoding_format)}
                          for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    @app.post("/api/embed")
+    async def ollama_embed():
+        t0 = time.monotonic()
+        req = parse_model(OllamaEmbedRequest, parse_json_body(await request.get_data()))
+        ready()
+        if req.dimensions is not None:
+            raise APIError(400, f"model '{name}' does not support dimensions",
+                           param="dimensions", code="unsupported_parameter")
+        vectors, n = await embed(req.input, truncate=req.truncate)
+        return {"model": name, "embeddings": vectors,
+                "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
+                "prompt_eval_count": n}
+
+    @app.post("/api/embeddings")
+    async def ollama_embeddings():
+        req = parse_model(OllamaEmbeddingsRequest, parse_json_body(await request.get_data()))
+        ready()
+        if not req.prompt:
+            return {"embedding": []}
+        vectors, _ = await embed(req.prompt, truncate=True)
+        return {"embedding": vectors[0]}
 
     return app

@@ -1,0 +1,187 @@
+"""Ollama's native API, the gateway's half: the routes about models rather than tokens
+(``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/version``, ``GET``/``HEAD /``) and
+Ollama's idiom of loading or unloading a model with an empty chat or generate request.
+Generation itself (``/api/chat``, ``/api/generate``, ``/api/embed``) is forwarded to
+the model's worker like every other model route (``worker/ollama.py`` formats it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from quart import Quart, Response, request
+
+from ..wire import APIError, parse_json_body
+
+#: What /api/version reports: the Ollama API level these routes follow (clients compare
+#: it to enable features), not mlxfleet's own version.
+OLLAMA_VERSION = "0.12.0"
+FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever
+
+
+def _iso(ts: Optional[float]) -> str:
+    t = datetime.fromtimestamp(ts or time.time(), timezone.utc)
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def _digest(rt: Any) -> str:
+    return hashlib.sha256(rt.manifest.worker_hash().encode()).hexdigest()
+
+
+def _details(rt: Any) -> dict[str, Any]:
+    cfg = _config(rt)
+    family = cfg.get("model_type") or "unknown"
+    q = cfg.get("quantization") or cfg.get("quantization_config") or {}
+    bits = q.get("bits") if isinstance(q, dict) else None
+    return {"parent_model": "", "format": "safetensors", "family": family,
+            "families": [family], "parameter_size": _param_size(rt),
+            "quantization_level": f"Q{bits}" if bits else "F16"}
+
+
+def _param_size(rt: Any) -> str:
+    """Parameters, estimated from the weights' bytes (Ollama shows e.g. "8.0B")."""
+    n = (rt.weight_bytes or 0) / 2  # 16-bit weights; quantized models are underestimated
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{int(n)}"
+
+
+def _config(rt: Any) -> dict[str, Any]:
+    """The model's config.json if it is on disk (never downloads)."""
+    from ..sources import local_dir
+
+    d = local_dir(rt.manifest.spec.source, rt.manifest.spec.revision)
+    try:
+        return json.loads((d / "config.json").read_text()) if d else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _context_length(cfg: dict[str, Any]) -> Optional[int]:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return None
+
+
+def _entry(rt: Any, name: str) -> dict[str, Any]:
+    return {"name": name, "model": name, "modified_at": _iso(rt.created),
+            "size": rt.weight_bytes or 0, "digest": _digest(rt), "details": _details(rt)}
+
+
+def register_ollama(app: Quart, supervisor: Any) -> None:
+    @app.get("/api/version")
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root():
+        # Ollama's liveness answer, which its clients probe for.
+        return Response("Ollama is running", content_type="text/plain; charset=utf-8")
+
+    @app.get("/api/tags")
+    async def tags():
+        models = []
+        for n in supervisor.names():
+            rt = supervisor.models[n]
+            for name in (n, *rt.manifest.spec.aliases):
+                models.append(_entry(rt, name))
+        return {"models": models}
+
+    @app.get("/api/ps")
+    async def ps():
+        models = []
+        for n in supervisor.names():
+            rt = supervisor.models[n]
+            if not rt.ready:
+                continue
+            st = rt.status()
+            expires = FOREVER if math.isinf(rt.keep_alive) else (st["expiresAt"] or _iso(None))
+            resident = rt.memory_bytes() or rt.footprint()
+            models.append({**_entry(rt, n), "expires_at": expires, "size": rt.footprint(),
+                           "size_vram": resident,
+                           "context_length": _context_length(_config(rt))})
+        return {"models": models}
+
+    @app.post("/api/show")
+    async def show():
+        body = parse_json_body(await request.get_data())
+        name = body.get("model") or body.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "model is required", param="model")
+        rt = supervisor.resolve(name)
+        if rt is None:
+            raise APIError(404, f"model '{name}' not found", code="model_not_found")
+        cfg = _config(rt)
+        template = _chat_template(rt)
+        d = rt.manifest.spec.defaults
+        params = [f"{k} {v}" for k, v in (("temperature", d.temperature), ("top_p", d.top_p),
+                                           ("top_k", d.top_k), ("num_predict", d.max_tokens))
+                  if v is not None]
+        arch = cfg.get("model_type") or "unknown"
+        info = {"general.architecture": arch, "general.parameter_count":
+                int((rt.weight_bytes or 0) / 2)}
+        ctx = _context_length(cfg)
+        if ctx:
+            info[f"{arch}.context_length"] = ctx
+        caps = ["embedding"] if rt.manifest.spec.task == "embedding" else ["completion"]
+        if template and "tools" in template:
+            caps.append("tools")
+        if rt.manifest.spec.parsers.reasoning or (template and "<think>" in template):
+            caps.append("thinking")
+        return {"modelfile": f"# mlxfleet manifest {rt.file}\nFROM {rt.manifest.spec.source}\n",
+                "parameters": "\n".join(params), "template": template or "",
+                "details": _details(rt), "model_info": info, "capabilities": caps,
+                "modified_at": _iso(rt.created)}
+
+
+def _chat_template(rt: Any) -> Optional[str]:
+    from ..sources import local_dir
+
+    d = local_dir(rt.manifest.spec.source, rt.manifest.spec.revision)
+    if d is None:
+        return None
+    for f in ("chat_template.jinja", "tokenizer_config.json"):
+        p = d / f
+        if not p.is_file():
+            continue
+        try:
+            text = p.read_text()
+            if f.endswith(".json"):
+                t = json.loads(text).get("chat_template")
+                return t if isinstance(t, str) else None
+            return text
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+async def load_or_unload(supervisor: Any, path: str, body: dict[str, Any], model: str,
+                         keep_alive: Optional[float], deadline: float) -> Optional[dict]:
+    """Ollama's idiom: a chat with no messages, or a generate with no prompt, loads the
+    model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload").
+    None when the request has something to generate."""
+    if path == "/api/chat" and body.get("messages"):
+        return None
+    if path == "/api/generate" and (body.get("prompt") or body.get("images")):
+        return None
+    key = "message" if path == "/api/chat" else "response"
+    empty = {"role": "assistant", "content": ""} if key == "message" else ""
+    rt = supervisor.resolve(model)
+    if rt is None:
+        raise APIError(404, f"model '{model}' not found", code="model_not_found")
+    if keep_alive == 0:
+        await supervisor.unload(rt, "unloaded by a request with keep_alive 0")
+        reason = "unload"
+    else:
+        async with supervisor.acquire(model, deadline, keep_alive):
+            pass
+        reason = "load"
+    return {"model": rt.name, "created_at": _iso(None), key: empty, "done": True,
+            "done_reason": reason}
