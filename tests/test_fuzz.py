@@ -11,12 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
-          "/v1/messages/count_tokens", "/v1/embeddings"]
+          "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate",
+          "/api/embed"]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "seed", "stop", "stop_sequences", "n", "stream",
           "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias",
           "system", "keep_alive", "echo", "stream_options", "input", "parallel_tool_calls",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"]
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+          "options", "format", "think", "raw", "template", "suffix", "images"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
@@ -53,12 +55,16 @@ def test_generated_bodies_never_get_a_5xx(fleet, route):
               suppress_health_check=list(HealthCheck))
     @given(bodies)
     def check(body):
+        if route.startswith("/api/") and isinstance(body.get("options", {}), dict):
+            body["options"] = {**body.get("options", {}), "num_predict": 3}  # keep it short
         r = client.post(route, json=body)
         assert r.status_code < 500 or r.status_code == 503, (body, r.status_code, r.text)
         if r.status_code >= 400:
             err = r.json()
             if route.startswith("/v1/messages"):
                 assert err["type"] == "error" and err["error"]["message"], err
+            elif route.startswith("/api/"):
+                assert isinstance(err["error"], str) and err["error"], err
             else:
                 assert err["error"]["message"] and "type" in err["error"], err
 

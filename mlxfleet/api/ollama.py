@@ -167,6 +167,8 @@ async def load_or_unload(supervisor: Any, path: str, body: dict[str, Any], model
     """Ollama's idiom: a chat with no messages, or a generate with no prompt, loads the
     model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload").
     None when the request has something to generate."""
+    if path not in ("/api/chat", "/api/generate"):
+        return None
     if path == "/api/chat" and body.get("messages"):
         return None
     if path == "/api/generate" and (body.get("prompt") or body.get("images")):
