@@ -52,6 +52,12 @@ ROUTES = [
     ("GET", "/mlxfleet/v1/models/tiny", None),
     ("GET", "/mlxfleet/v1/models/tiny/logs", None),
     ("POST", "/mlxfleet/v1/models/tiny/load", None),
+    ("POST", "/api/chat", {"model": "tiny", "messages": MSG, "stream": False,
+                           "options": {"num_predict": 2}}),
+    ("POST", "/api/generate", {"model": "tiny", "prompt": "x", "options": {"num_predict": 2}}),
+    ("GET", "/api/tags", None),
+    ("GET", "/api/ps", None),
+    ("POST", "/api/show", {"model": "tiny"}),
 ]
 
 
@@ -64,6 +70,8 @@ def test_every_route_requires_a_key(secured, method, path, body):
         if path.startswith("/v1/messages"):
             assert r.json()["error"]["type"] == "authentication_error"
             assert r.json()["type"] == "error"
+        elif path.startswith("/api/"):  # Ollama's shape
+            assert "API key" in r.json()["error"], r.text
         else:
             assert r.json()["error"]["code"] == "invalid_api_key"
     for headers in (auth("k1"), {"x-api-key": "k2"}):
