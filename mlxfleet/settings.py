@@ -83,6 +83,11 @@ class ServerSettings(BaseSettings):
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")
     max_body_mb: int = Field(32, gt=0, description="largest request body")
+    responses_store_max: int = Field(1000, ge=0, description="stored Responses API "
+                                     "responses kept at most (oldest dropped first)")
+    responses_store_mb: int = Field(64, ge=0, description="memory stored responses may use")
+    responses_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is "
+                                 "kept")
     body_timeout: float = Field(60.0, gt=0, description="seconds a request body may take to "
                                 "arrive (408 after)")
     enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")

@@ -75,6 +75,10 @@ def from_validation_error(err: ValidationError) -> APIError:
 #: Request fields the gateway acts on; workers accept and ignore them.
 GATEWAY_FIELDS = frozenset({"keep_alive"})
 
+#: Set by the gateway on a Responses request whose ``input`` already holds the history
+#: that ``previous_response_id`` names (workers keep no responses).
+HISTORY_FIELD = "mlxfleet_history"
+
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode a JSON object body or raise a 400 that says what is wrong."""
@@ -128,6 +132,8 @@ def protocol(path: Optional[str] = None) -> str:
         return "anthropic"
     if path.startswith("/api/"):
         return "ollama"
+    if path.startswith("/v1/responses"):
+        return "responses"
     return "openai"
 
 
@@ -149,6 +155,10 @@ def stream_error(err: APIError, path: Optional[str] = None) -> str:
         return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"
     if kind == "ollama":  # NDJSON: Ollama's clients raise on an "error" line
         return json.dumps({"error": err.message}) + "\n"
+    if kind == "responses":  # the Responses API's typed error event
+        data = {"type": "error", "code": err.code, "message": err.message,
+                "param": err.param, "sequence_number": 0}
+        return f"event: error\ndata: {json.dumps(data)}\n\n"
     return sse(err.body()) + "data: [DONE]\n\n"
 
 

@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
           "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate",
-          "/api/embed"]
+          "/api/embed", "/v1/responses"]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "seed", "stop", "stop_sequences", "n", "stream",
           "logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias",
           "system", "keep_alive", "echo", "stream_options", "input", "parallel_tool_calls",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-          "options", "format", "think", "raw", "template", "suffix", "images"]
+          "options", "format", "think", "raw", "template", "suffix", "images",
+          "instructions", "text", "reasoning", "max_output_tokens", "store",
+          "previous_response_id"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
@@ -57,6 +59,9 @@ def test_generated_bodies_never_get_a_5xx(fleet, route):
     def check(body):
         if route.startswith("/api/") and isinstance(body.get("options", {}), dict):
             body["options"] = {**body.get("options", {}), "num_predict": 3}  # keep it short
+        if route == "/v1/responses":
+            body.setdefault("input", body.pop("messages"))
+            body.setdefault("max_output_tokens", 3)
         r = client.post(route, json=body)
         assert r.status_code < 500 or r.status_code == 503, (body, r.status_code, r.text)
         if r.status_code >= 400:

@@ -10,6 +10,7 @@ in-band once a stream has started.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -28,13 +29,15 @@ from ..wire import (
 )
 from .metrics import Metrics, tag_model
 from .ollama import load_or_unload, register_ollama
+from .responses import ResponseStore, register_responses
 
 log = logging.getLogger("mlxfleet.gateway")
 
 #: Routes forwarded to the worker named by the body's ``model``.
 MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/embeddings",
-                "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"]
+                "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
+                "/v1/responses"]
 #: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
 _STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
@@ -52,6 +55,8 @@ def create_gateway(supervisor: Any) -> Quart:
     install_error_handlers(app)
     install_guard(app, settings.api_keys, settings.rate_limit, settings.admin_keys)
     metrics = Metrics(supervisor)
+    store = ResponseStore(settings.responses_store_max, settings.responses_store_mb << 20,
+                          settings.responses_ttl)
     metrics.install(app, enabled=settings.enable_metrics)
     started = time.time()
 
@@ -95,14 +100,23 @@ def create_gateway(supervisor: Any) -> Quart:
                                         deadline)
             if done is not None:
                 return done
+        pending = None
+        if request.path == "/v1/responses":
+            sent, pending = store.prepare(body)
+            if sent is not body:
+                raw = json.dumps(sent).encode()
+
+        def relayed(chunks):
+            return store.capture_stream(chunks, pending) if pending else chunks
+
         target = (request.method, request.path, raw, headers)
         acquire = supervisor.acquire(model, deadline, keep_alive)
         if rt is not None and not rt.ready and body.get("stream") is True and not ollama:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             tag_model(rt.name)
-            return streaming_response(metrics.observe_stream(
-                _stream_after_load(acquire, target, timeout, supervisor.settings), rt.name))
+            return streaming_response(metrics.observe_stream(relayed(
+                _stream_after_load(acquire, target, timeout, supervisor.settings)), rt.name))
         lease = await acquire
         tag_model(lease.name)
         try:
@@ -122,12 +136,15 @@ def create_gateway(supervisor: Any) -> Quart:
             finally:
                 await upstream.aclose()  # on timeout this aborts the generation in the worker
                 lease.release()
+            if pending and upstream.status_code == 200:
+                store.capture(content, pending)
             resp = Response(content, status=upstream.status_code, content_type=ctype)
             if "retry-after" in upstream.headers:  # a worker's 503 says when to come back
                 resp.headers["Retry-After"] = upstream.headers["retry-after"]
             return resp
         return streaming_response(
-            metrics.observe_stream(_relay(lease, upstream, request.path), lease.name),
+            metrics.observe_stream(relayed(_relay(lease, upstream, request.path)),
+                                   lease.name),
             status=upstream.status_code, content_type=ctype)
 
     for route in MODEL_ROUTES:
@@ -135,6 +152,7 @@ def create_gateway(supervisor: Any) -> Quart:
 
     register_control(app, supervisor)
     register_ollama(app, supervisor)
+    register_responses(app, store)
     return app
 
 

@@ -44,7 +44,8 @@ from .prompts import (
 log = logging.getLogger("mlxfleet.worker")
 
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-                   "/v1/messages/count_tokens", "/api/chat", "/api/generate")
+                   "/v1/messages/count_tokens", "/api/chat", "/api/generate",
+                   "/v1/responses")
 EMBED_ROUTES = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 
 
@@ -275,7 +276,12 @@ _KNOWN_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "logit_bias", "n", "user", "stream",
     "stream_options", "stream_interval", "ignore_eos", "logprobs", "top_logprobs", "tools",
     "tool_choice", "parallel_tool_calls", "response_format", "echo", "system", "metadata",
-    "skip_special_tokens", "thinking"})
+    "skip_special_tokens", "thinking",
+    # Ollama
+    "options", "format", "think", "raw", "template", "suffix", "images", "context",
+    # Responses
+    "input", "instructions", "text", "reasoning", "max_output_tokens", "store",
+    "previous_response_id", "mlxfleet_history"})
 
 
 def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:
@@ -299,6 +305,7 @@ def create_app(engine: Engine) -> Quart:
     from .anthropic import register_anthropic
     from .ollama import register_ollama
     from .openai_api import register_openai
+    from .responses import register_responses
 
     app = Quart("mlxfleet.worker")
     worker = Worker(engine)
@@ -306,4 +313,5 @@ def create_app(engine: Engine) -> Quart:
     register_openai(app, worker)
     register_anthropic(app, worker)
     register_ollama(app, worker)
+    register_responses(app, worker)
     return app

@@ -1,0 +1,380 @@
+"""OpenAI's Responses API on the worker: ``POST /v1/responses``.
+
+A request becomes the worker's ``GenRequest`` (input items -> chat messages)
+and the pipeline's events become Responses output items: ``reasoning`` (the
+model's reasoning, when it has a reasoning parser), ``message`` with
+``output_text``, and ``function_call``; streamed as the documented typed events,
+each with a ``sequence_number``. The worker keeps nothing: stored responses,
+``previous_response_id`` and the ``GET``/``DELETE`` routes are the gateway's
+(``api/responses.py``), which sends the conversation so far as ``input``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from quart import Quart
+
+from ..wire import HISTORY_FIELD, APIError, parse_model
+from .app import Worker
+from .parsers import call_id
+from .pipeline import (
+    ChoiceResult,
+    Done,
+    Finish,
+    Pipeline,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+)
+from .prompts import GenRequest
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    name: Optional[str] = None
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: Optional[dict[str, Any]] = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1)
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    text: Optional[TextConfig] = None
+    reasoning: Optional[dict[str, Any]] = None
+    max_output_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: Optional[StrictFloat] = Field(default=None, ge=0, le=2)
+    top_p: Optional[StrictFloat] = Field(default=None, gt=0, le=1)
+    stream: StrictBool = False
+    store: Optional[StrictBool] = None
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or input_text / output_text parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"Invalid value for '{where}': expected a string or a list of "
+                       "content parts.", param=where, code="invalid_value")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            out.append(str(part.get("text") or part.get("refusal") or ""))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise APIError(400, f"This model does not accept {kind} content.",
+                           param=f"{where}[{j}]", code="unsupported_content")
+        else:
+            raise APIError(400, f"Unsupported content part type {kind!r}.",
+                           param=f"{where}[{j}]", code="invalid_value")
+    return "".join(out)
+
+
+def input_messages(items: Union[str, list[dict[str, Any]]],
+                   instructions: Optional[str]) -> list[dict[str, Any]]:
+    """Responses input items as chat-template messages."""
+    msgs: list[dict[str, Any]] = []
+    if instructions:
+        msgs.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"Invalid value for '{where}.role': {role!r}.",
+                               param=f"{where}.role", code="invalid_value")
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": _text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            name, args = item.get("name"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(args, str):
+                raise APIError(400, f"'{where}' needs a 'name' and 'arguments' (a JSON "
+                               "string).", param=where, code="invalid_value")
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                parsed = args  # templates accept the raw string too
+            call = {"id": item.get("call_id") or call_id(), "type": "function",
+                    "function": {"name": name, "arguments": parsed}}
+            if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
+                msgs[-1]["tool_calls"].append(call)
+            elif msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1]["tool_calls"] = [call]
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = item.get("output", "")
+            msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": out if isinstance(out, str)
+                         else _text(out, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not fed back, as with chat completions
+        else:
+            raise APIError(400, f"Unsupported input item type {kind!r}.", param=where,
+                           code="invalid_value")
+    return msgs
+
+
+def _tools(req: ResponsesRequest) -> Optional[list[dict[str, Any]]]:
+    if not req.tools:
+        return None
+    out = []
+    for i, t in enumerate(req.tools):
+        if t.type != "function" or not t.name:
+            raise APIError(400, f"Tool type {t.type!r} is not supported here; only function "
+                           "tools (type 'function' with a 'name').", param=f"tools[{i}]",
+                           code="unsupported_tool")
+        out.append({"type": "function", "function": {
+            "name": t.name, "description": t.description or "",
+            "parameters": t.parameters or {"type": "object", "properties": {}}}})
+    return out
+
+
+def _tool_choice(tc: Union[str, dict, None]) -> Any:
+    if isinstance(tc, dict):
+        if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
+            raise APIError(400, "tool_choice must be auto, none, required or "
+                           '{"type": "function", "name": ...}.', param="tool_choice",
+                           code="invalid_value")
+        return {"name": tc["name"]}
+    if tc not in (None, "auto", "none", "required"):
+        raise APIError(400, f"Invalid tool_choice {tc!r}.", param="tool_choice",
+                       code="invalid_value")
+    return tc
+
+
+def _schema(text: Optional[TextConfig]) -> Optional[dict[str, Any]]:
+    fmt = (text.format if text else None) or {"type": "text"}
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "text.format of type json_schema needs a 'schema' object.",
+                           param="text.format.schema", code="invalid_value")
+        return schema
+    raise APIError(400, f"Unknown text.format type {kind!r}; use text, json_object or "
+                   "json_schema.", param="text.format", code="invalid_value")
+
+
+def responses_request(body: dict[str, Any]) -> GenRequest:
+    req = parse_model(ResponsesRequest, body)
+    if req.previous_response_id and not body.get(HISTORY_FIELD):
+        raise APIError(400, "previous_response_id needs the gateway's response store; send "
+                       "this request to the gateway (a worker keeps no responses).",
+                       param="previous_response_id", code="unsupported_parameter")
+    return GenRequest(messages=input_messages(req.input, req.instructions),
+                      tools=_tools(req), tool_choice=_tool_choice(req.tool_choice),
+                      parallel_tool_calls=req.parallel_tool_calls is not False,
+                      response_schema=_schema(req.text), max_tokens=req.max_output_tokens,
+                      temperature=req.temperature, top_p=req.top_p, stream=req.stream)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{call_id().split('_', 1)[-1]}"
+
+
+def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": rid, "status": status,
+            "summary": [{"type": "summary_text", "text": text}] if text else []}
+
+
+def _message_item(mid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}] if status == "completed" else []}
+
+
+def _call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[-1], "call_id": c.id,
+            "name": c.name, "arguments": c.arguments_json if status == "completed" else "",
+            "status": status}
+
+
+class _Shell:
+    """The response object's fields that do not depend on the output."""
+
+    def __init__(self, req: ResponsesRequest, name: str):
+        self.id = _item_id("resp")
+        self.created_at = int(time.time())
+        fmt = (req.text.format if req.text else None) or {"type": "text"}
+        self.fields = {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "model": name, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "parallel_tool_calls":
+                req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning or {"effort": None, "summary": None},
+            "store": req.store is not False, "temperature": req.temperature,
+            "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "top_p": req.top_p, "truncation": "disabled", "user": req.user}
+
+    def response(self, status: str, output: list, pipe: Optional[Pipeline] = None,
+                 finish: Optional[Finish] = None) -> dict[str, Any]:
+        r = {**self.fields, "status": status, "output": output, "usage": None}
+        if finish is not None and finish.reason == "length" and status != "in_progress":
+            r["status"] = "incomplete"
+            r["incomplete_details"] = {"reason": "max_output_tokens"}
+        if pipe is not None and status != "in_progress":
+            r["usage"] = {
+                "input_tokens": pipe.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": pipe.gen.cached_tokens},
+                "output_tokens": pipe.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": pipe.prompt_tokens + pipe.completion_tokens}
+        return r
+
+
+def register_responses(app: Quart, worker: Worker) -> None:
+    name = worker.name
+
+    @app.post("/v1/responses")
+    async def create():
+        from quart import request
+
+        from ..wire import parse_json_body
+
+        body = parse_json_body(await request.get_data())
+        req, pipe = await worker.begin(responses_request)
+        shell = _Shell(parse_model(ResponsesRequest, body), name)
+        if req.stream:
+            return worker.stream(pipe, _stream(pipe, shell))
+        r: ChoiceResult = (await worker.collect(pipe))[0]
+        output = []
+        if r.reasoning:
+            output.append(_reasoning_item(_item_id("rs"), r.reasoning))
+        if r.text or not r.calls:
+            output.append(_message_item(_item_id("msg"), r.text))
+        output.extend(_call_item(c) for c in r.calls)
+        return shell.response("completed", output, pipe, r.finish)
+
+    async def _stream(pipe: Pipeline, shell: _Shell):
+        seq = 0
+        output: list[dict[str, Any]] = []
+        open_item: Optional[dict[str, Any]] = None  # the reasoning or message item being written
+        parts: list[str] = []
+        finish: Optional[Finish] = None
+
+        def event(kind: str, **data: Any) -> str:
+            nonlocal seq
+            seq += 1
+            payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data},
+                                 ensure_ascii=False)
+            return f"event: {kind}\ndata: {payload}\n\n"
+
+        def close() -> list[str]:
+            nonlocal open_item
+            if open_item is None:
+                return []
+            item, idx, text = open_item, len(output), "".join(parts)
+            out = []
+            if item["type"] == "message":
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                out.append(event("response.output_text.done", item_id=item["id"],
+                                 output_index=idx, content_index=0, text=text, logprobs=[]))
+                out.append(event("response.content_part.done", item_id=item["id"],
+                                 output_index=idx, content_index=0, part=part))
+                done = _message_item(item["id"], text)
+            else:
+                out.append(event("response.reasoning_summary_text.done", item_id=item["id"],
+                                 output_index=idx, summary_index=0, text=text))
+                out.append(event("response.reasoning_summary_part.done", item_id=item["id"],
+                                 output_index=idx, summary_index=0,
+                                 part={"type": "summary_text", "text": text}))
+                done = _reasoning_item(item["id"], text)
+            out.append(event("response.output_item.done", output_index=idx, item=done))
+            output.append(done)
+            open_item = None
+            parts.clear()
+            return out
+
+        def open_(kind: str) -> list[str]:
+            nonlocal open_item
+            idx = len(output)
+            if kind == "message":
+                open_item = _message_item(_item_id("msg"), "", "in_progress")
+                return [event("response.output_item.added", output_index=idx,
+                              item=open_item),
+                        event("response.content_part.added", item_id=open_item["id"],
+                              output_index=idx, content_index=0,
+                              part={"type": "output_text", "text": "", "annotations": [],
+                                    "logprobs": []})]
+            open_item = _reasoning_item(_item_id("rs"), "", "in_progress")
+            return [event("response.output_item.added", output_index=idx, item=open_item),
+                    event("response.reasoning_summary_part.added", item_id=open_item["id"],
+                          output_index=idx, summary_index=0,
+                          part={"type": "summary_text", "text": ""})]
+
+        yield event("response.created", response=shell.response("in_progress", []))
+        yield event("response.in_progress", response=shell.response("in_progress", []))
+        async for batch in pipe.events():
+            out: list[str] = []
+            for ev in batch:
+                if isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
+                    kind = "message" if isinstance(ev, TextDelta) else "reasoning"
+                    if open_item is None or open_item["type"] != kind:
+                        out += close() + open_(kind)
+                    parts.append(ev.text)
+                    idx = len(output)
+                    if kind == "message":
+                        out.append(event("response.output_text.delta",
+                                         item_id=open_item["id"], output_index=idx,
+                                         content_index=0, delta=ev.text, logprobs=[]))
+                    else:
+                        out.append(event("response.reasoning_summary_text.delta",
+                                         item_id=open_item["id"], output_index=idx,
+                                         summary_index=0, delta=ev.text))
+                elif isinstance(ev, ToolCall):
+                    out += close()
+                    idx = len(output)
+                    item = _call_item(ev, "in_progress")
+                    out.append(event("response.output_item.added", output_index=idx,
+                                     item=item))
+                    out.append(event("response.function_call_arguments.delta",
+                                     item_id=item["id"], output_index=idx,
+                                     delta=ev.arguments_json))
+                    out.append(event("response.function_call_arguments.done",
+                                     item_id=item["id"], output_index=idx,
+                                     arguments=ev.arguments_json))
+                    done = _call_item(ev)
+                    out.append(event("response.output_item.done", output_index=idx,
+                                     item=done))
+                    output.append(done)
+                elif isinstance(ev, Finish):
+                    finish = ev
+                elif isinstance(ev, Done):
+                    if not output and open_item is None:
+                        out += open_("message")  # an empty answer is still a message
+                    out += close()
+                    final = shell.response("completed", output, pipe, finish)
+                    kind = "response.completed" if final["status"] == "completed" \
+                        else "response.incomplete"
+                    out.append(event(kind, response=final))
+            if out:
+                yield "".join(out)

@@ -1,0 +1,146 @@
+"""OpenAI's Responses API through the gateway, driven by the official ``openai`` SDK."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from fleet import Fleet, manifest
+
+WEATHER = {"type": "function", "name": "get_weather",
+           "description": "Get the current weather for a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+FORECAST = {"type": "function", "name": "forecast", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["unit", "days"], "additionalProperties": False}}
+JAPAN = "What is the capital of Japan?"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("responses"),
+              env={"MLXFLEET_RESPONSES_STORE_MAX": "3"})
+    f.write("demo.yaml", manifest("demo", source="builtin:demo", defaults={"temperature": 0}))
+    f.write("tiny.yaml", manifest("tiny", source="builtin:tiny-10m"))
+    f.start()
+    f.wait_ready("demo")
+    f.wait_ready("tiny")
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_create(client):
+    r = client.responses.create(model="demo", input=JAPAN)
+    assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
+    assert "Tokyo" in r.output_text
+    assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    r = client.responses.create(model="demo", instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": JAPAN}]}])
+    assert "Tokyo" in r.output_text and r.instructions == "Be brief."
+
+
+def test_stream_events_in_order(client):
+    with client.responses.stream(model="demo", input=JAPAN) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Tokyo" in text and final.output_text == text and final.status == "completed"
+
+
+def test_function_call_round_trip_through_previous_response_id(client):
+    r = client.responses.create(model="demo", tools=[WEATHER],
+                                input="What is the weather in Paris?")
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    r2 = client.responses.create(
+        model="demo", tools=[WEATHER], previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id,
+                "output": json.dumps({"temp_c": 18, "sky": "sunny"})}])
+    assert r2.previous_response_id == r.id and r2.output_text
+    assert not [o for o in r2.output if o.type == "function_call"]
+    # The history was resent as a prefix: the prompt cache served it.
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_streamed_function_call(client):
+    with client.responses.stream(model="demo", tools=[WEATHER],
+                                 input="What is the weather in Paris?") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.function_call_arguments.done" in kinds
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_retrieve_input_items_delete_and_store_false(client):
+    r = client.responses.create(model="demo", input=JAPAN, metadata={"k": "v"})
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"k": "v"}
+    items = client.responses.input_items.list(r.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].role == "user"
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    r = client.responses.create(model="demo", input=JAPAN, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="demo", input="hi", previous_response_id=r.id)
+
+
+def test_the_store_is_bounded(client):
+    ids = [client.responses.create(model="tiny", input="x", max_output_tokens=2).id
+           for _ in range(4)]  # the store holds 3 (MLXFLEET_RESPONSES_STORE_MAX)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+
+
+def test_structured_output_forced_tools_and_length(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.responses.create(model="tiny", input="go", max_output_tokens=40,
+                                text={"format": {"type": "json_schema", "name": "x",
+                                                 "schema": schema, "strict": True}})
+    assert set(json.loads(r.output_text)) == {"ok", "n"}
+    r = client.responses.create(model="tiny", input="go", tools=[FORECAST],
+                                tool_choice="required", max_output_tokens=60)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "forecast" and set(json.loads(call.arguments)) == {"unit", "days"}
+    r = client.responses.create(model="demo", input=JAPAN, max_output_tokens=2)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 2
+
+
+def test_bad_input_and_unknown_model(client, fleet):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="demo", input=123)
+    assert "input" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="demo", input="x", tools=[{"type": "web_search"}])
+    assert "web_search" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="x")
+    r = httpx.post(fleet.url + "/v1/responses", content=b"{nope", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
