@@ -238,6 +238,44 @@ def test_json_schema_response_format_parses_and_validates(fleet):
         assert 0 <= obj["n"] <= 99 and obj["colour"] in ("red", "green", "blue")
 
 
+UNBOUNDED = {
+    "strings": {"type": "object", "properties": {"a": {"type": "string"},
+                                                 "b": {"type": "string"}},
+                "required": ["a", "b"]},
+    "nested": {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"]}}}, "required": ["items"]},
+    "deep": {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "array", "items": {
+            "type": "array", "items": {"type": "string"}}}}, "required": ["b"]},
+        "c": {"type": "string", "minLength": 3}}, "required": ["a", "c"]},
+    "any": {"type": "object"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNBOUNDED))
+def test_structured_output_always_parses_even_when_the_budget_runs_out(fleet, name):
+    import jsonschema
+
+    schema = UNBOUNDED[name]
+    forced = 0
+    for max_tokens in (16, 24, 32):
+        for seed in range(3):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": "go"}],
+                      max_tokens=max_tokens, temperature=1.0, seed=seed,
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": schema}})
+            r = fleet.openai().chat.completions.create(**kw)
+            c = r.choices[0]
+            jsonschema.validate(json.loads(c.message.content), schema)
+            assert r.usage.completion_tokens <= max_tokens
+            forced += c.finish_reason == "length"
+    assert forced  # the random model never closes on its own: the budget did it
+    chunks = list(fleet.openai().chat.completions.create(stream=True, **kw))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_json_object_with_the_demo_model(fleet):
     r = fleet.openai().chat.completions.create(
         model="demo", response_format={"type": "json_object"}, max_tokens=60, temperature=0,

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .config import WorkerConfig
@@ -50,6 +50,15 @@ class _Seq:
     index: int
     reserved: int  # KV bytes held for this sequence while it runs
     decoder: SequenceDecoder
+    processors: list = field(default_factory=list)  # its logits processors
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """mlx-lm's reason, except that a value the token budget forced closed (see
+        ``GrammarProcessor``) ended for ``length``, even if end-of-sequence came last."""
+        if reason == "stop" and any(getattr(p, "forced_close", False)
+                                    for p in self.processors):
+            return "length"
+        return reason
 
 
 #: Batch steps failing this many times in a row take the engine down (restart).
@@ -342,14 +351,15 @@ class Engine:
                         gen.cache_hit = kind or "miss"
             gen.cached_tokens = len(cached[0])
             count = gen.num_sequences
+            procs = [logits_processors(p, self.tokenizer, self.vocab_size)
+                     for _ in range(count)]
             uids = self._bg.insert(
                 prompts,
                 max_tokens=[p.max_tokens] * count,
                 caches=caches,
                 all_tokens=cached,
                 samplers=[self._samplers.get(p, i) for i in range(count)],
-                logits_processors=[logits_processors(p, self.tokenizer, self.vocab_size)
-                                   for _ in range(count)],
+                logits_processors=procs,
                 stop_sequences=[self._no_stop] * count if p.ignore_eos else None,
             )
         except Exception as e:  # noqa: BLE001 - bad parameters must not kill the engine
@@ -360,7 +370,8 @@ class Engine:
         gen.phase, gen.started_at = "prefill", time.monotonic()
         skip = self._special if p.skip_special_tokens else frozenset()
         for i, uid in enumerate(uids):
-            self._seqs[uid] = _Seq(gen, i, need, SequenceDecoder(self.tokenizer, p.stop, skip))
+            self._seqs[uid] = _Seq(gen, i, need, SequenceDecoder(self.tokenizer, p.stop, skip),
+                                   procs[i])
         self._reserved += need * len(uids)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
@@ -376,7 +387,7 @@ class Engine:
             if seq is None:
                 continue
             gen, dec = seq.gen, seq.decoder
-            text = dec.feed(r.token, r.finish_reason)
+            text = dec.feed(r.token, seq.finish_reason(r.finish_reason))
             ev = TokenEvent(seq.index, r.token, text, dec.finish_reason, dec.stop_sequence)
             k = gen.params.logprobs
             if k is not None:

@@ -67,25 +67,170 @@ def check_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> None:
         raise GrammarError(m.get_error())
 
 
+#: Bytes that can change JSON structure (open or close a string, object or array).
+_STRUCTURAL = frozenset(b'"{}[],:\\')
+#: Structure that always belongs on the way out (a comma means another item: not these).
+_ACTING = frozenset(b'"{}[]:')
+#: Bytes a closing token may consist of (structure and spaces; digits and literals are
+#: added one by one: a large vocabulary has thousands of number tokens).
+_CLOSER_BYTES = frozenset(b'"{}[],: ')
+_LITERALS = (b"true", b"false", b"null")
+#: How far from the budget the closer starts planning (and the longest close it plans).
+CLOSE_HORIZON = 48
+
+
+#: A JSON scanner's state: (open containers, in a string, after a backslash, a key or
+#: value is expected, UTF-8 continuation bytes still due). Enough to tell which tokens
+#: move towards a closed value.
+Scan = tuple[str, bool, bool, bool, int]
+START: Scan = ("", False, False, True, 0)
+
+
+def scan(state: Scan, data: bytes) -> Scan:
+    stack, in_str, esc, expecting, due = state
+    for b in data:
+        if b >= 0x80:  # multi-byte characters: a string cannot close mid-character
+            due = due - 1 if b < 0xC0 and due else (1 if b < 0xE0 else 2 if b < 0xF0 else 3)
+            continue
+        due = 0
+        c = chr(b)
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str, expecting = True, False
+        elif c in "{[":
+            stack, expecting = stack + c, True
+        elif c in "}]":
+            stack, expecting = stack[:-1], False
+        elif c in ",:":
+            expecting = True
+        elif not c.isspace():
+            expecting = False  # a number or a literal
+    return stack, in_str, esc, expecting, due
+
+
+def distance(state: Scan) -> int:
+    """How far a scanner state is from a closed value (lower is closer)."""
+    stack, in_str, _, expecting, due = state
+    return 3 * len(stack) + 2 * in_str + expecting + (due > 0)
+
+
+def _closing_score(state: Scan, text: bytes) -> tuple[int, int, Scan]:
+    """How far ``text`` leaves a completion (lower is better: closer to a closed value,
+    with more structure per token, so ``":`` ties ``"`` after a key; bare whitespace
+    counts against), the bytes it writes inside strings, and the state after."""
+    acting = filler = 0
+    st = state
+    for b in text:
+        nxt = scan(st, bytes([b]))
+        if st[1] and nxt[1]:
+            filler += 1  # written inside a string
+        elif b in _ACTING:
+            acting += 1  # a quote, bracket or colon that does its job
+        st = nxt
+    waste = 2 if not text.strip() else 0
+    return distance(st) + waste - acting, filler, st
+
+
+def _opens(state: Scan, text: bytes, here: int) -> bool:
+    """Whether ``text`` adds work: deeper structure, or a comma (another item or key)."""
+    st = state
+    for b in text:
+        if b == ord(",") and not st[1]:
+            return True
+        st = scan(st, bytes([b]))
+    return distance(st) > here
+
+
+class _Vocab:
+    """Each token's bytes, which tokens can change JSON structure, and the short tokens
+    the closer tries first (built once per tokenizer)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import numpy as np
+
+        ll = ll_tokenizer(tokenizer, vocab_size)
+        self.texts = [ll.decode_bytes([i]) for i in range(vocab_size)]
+        self.structural = np.array([any(b in _STRUCTURAL for b in t) for t in self.texts])
+        self.closers = np.array([i for i, t in enumerate(self.texts) if t and len(t) <= 8 and (
+            all(b in _CLOSER_BYTES for b in t)
+            or t.strip() in _LITERALS or (t.strip().isdigit() and len(t.strip()) == 1))],
+            dtype=np.int64)
+        self._scores: dict[tuple[Scan, int], tuple[int, int, Scan]] = {}
+
+    def score(self, state: Scan, token: int) -> tuple[int, int, Scan]:
+        """``_closing_score`` of a token, remembered (states repeat across requests)."""
+        key = (state, token)
+        got = self._scores.get(key)
+        if got is None:
+            if len(self._scores) > 500_000:
+                self._scores.clear()
+            got = self._scores[key] = _closing_score(state, self.texts[token])
+        return got
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int) -> _Vocab:
+        key = id(tokenizer)
+        if key not in _vocabs:
+            _vocabs[key] = cls(tokenizer, vocab_size)
+        return _vocabs[key]
+
+
+_vocabs: dict[int, _Vocab] = {}
+
+
+def _pick(state: Scan, cand: list[int], vocab: _Vocab) -> int:
+    """The closer's next token: the best score, never one that comes back to the same
+    state (``", "`` in an array: one more item, no progress); filler inside a string
+    only as much as the grammar insists on (a minLength, an enum: then the longest)."""
+    scored = []
+    for t in cand:
+        score, filler, after = vocab.score(state, t)
+        if after == state and score < distance(state) + 2 and len(cand) > 1 and filler == 0:
+            continue
+        scored.append((score, filler, -len(vocab.texts[t]), t))
+    if not scored:
+        return cand[0]
+    if all(f for _, f, _, _ in scored):  # filler is needed: the most per token
+        return min(scored, key=lambda x: (x[0], -x[1], x[2], x[3]))[3]
+    return min(scored)[3]
+
+
 class GrammarProcessor:
     """mlx_lm logits processor: masks every token the grammar does not allow next.
+
+    With a token budget (``max_tokens``) the output also always completes: in the last
+    ``CLOSE_HORIZON`` tokens the closer plans a short way to a complete value (greedily:
+    closing quotes and brackets first, forced keys, the smallest values), masks out
+    tokens after which that plan would no longer fit, and once the plan needs what is
+    left, the sequence follows it (``forced_close``: the answer ends for ``length``).
+    llguidance enforces validity but has no notion of a budget; this is that notion.
 
     ``tokens`` is the sequence so far (prompt, then each generated token as it is
     fed back); the first call sees only the prompt.
     """
 
-    def __init__(self, grammar: str, tokenizer: Any, vocab_size: int):
+    def __init__(self, grammar: str, tokenizer: Any, vocab_size: int,
+                 max_tokens: Optional[int] = None):
         import llguidance
 
         self._m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
         self._eos = sorted(tokenizer.eos_token_ids)
         self._base: Optional[int] = None
         self._consumed = 0
+        self._max_tokens = max_tokens
+        self._vocab = _Vocab.of(tokenizer, vocab_size) if max_tokens else None
+        self._scan = START
+        self._plan: Optional[list[int]] = None  # closing mode: the tokens left to emit
+        self.forced_close = False  # the budget, not the model, ended the value
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
-        import numpy as np
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         t0 = time.perf_counter()
         n = tokens.shape[-1] if hasattr(tokens, "shape") else len(tokens)
@@ -95,14 +240,81 @@ class GrammarProcessor:
         if new > 0:
             for t in tokens[-new:].tolist():
                 self._m.consume_token(int(t))
+                if self._vocab is not None:
+                    self._scan = scan(self._scan, self._vocab.texts[int(t)])
             self._consumed += new
         vocab = logits.shape[-1]
-        bm = allocate_token_bitmask(1, vocab)
-        fill_next_token_bitmask(self._m, bm)
-        bits = np.unpackbits(bm.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        bits = self._allowed(self._m, vocab)
+        if self._vocab is not None and bits.any():
+            bits = self._budget(bits, vocab)
         if not bits.any():  # grammar finished or failed: allow only end-of-sequence
             bits[[t for t in self._eos if t < vocab]] = True
         out = mx.where(mx.array(bits)[None, :], logits, -float("inf"))
         STATS["mask_seconds"] += time.perf_counter() - t0
         STATS["steps"] += 1
         return out
+
+    @staticmethod
+    def _allowed(m: Any, vocab: int):
+        import numpy as np
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        bm = allocate_token_bitmask(1, vocab)
+        fill_next_token_bitmask(m, bm)
+        return np.unpackbits(bm.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+    def _budget(self, bits, vocab: int):
+        """Narrow ``bits`` so the value is complete when the budget runs out."""
+        import numpy as np
+
+        left = self._max_tokens - self._consumed
+        if self._plan is None and left <= CLOSE_HORIZON and not self._m.is_accepting():
+            plan = self._close_plan(vocab, self._m, self._scan)
+            if len(plan) + 2 >= left:  # (a spare token, should the plan grow by one)
+                self._plan = plan
+                self.forced_close = True
+            else:  # no token whose completion would no longer fit
+                texts, here = self._vocab.texts, distance(self._scan)
+                for t in np.nonzero(bits & self._vocab.structural[:vocab])[0]:
+                    t = int(t)
+                    if not _opens(self._scan, texts[t], here):
+                        continue
+                    m = self._m.deep_copy()
+                    m.consume_token(t)
+                    after = self._close_plan(vocab, m, scan(self._scan, texts[t]))
+                    if len(after) + 2 >= left - 1 and bits.sum() > 1:
+                        bits[t] = False
+        if self._plan:
+            t = self._plan.pop(0)
+            bits = np.zeros(vocab, dtype=bool)
+            bits[t] = True
+        return bits
+
+    def _close_plan(self, vocab: int, matcher: Any, state: Scan) -> list[int]:
+        """The tokens of a greedy short completion from ``matcher`` (left untouched) in
+        ``state``: at most CLOSE_HORIZON of them."""
+        import numpy as np
+
+        m, plan = matcher.deep_copy(), []
+        closers = self._vocab.closers
+        eos = set(self._eos)
+        while len(plan) < CLOSE_HORIZON and not m.is_accepting():
+            bits = self._allowed(m, vocab)
+            allowed = np.nonzero(bits)[0]
+            if allowed.size == 0:
+                break
+            if allowed.size > 32:
+                usable = closers[closers < vocab]
+                cand = usable[bits[usable]]
+                if cand.size == 0:
+                    cand = allowed[:64]
+            else:
+                cand = allowed
+            cand = [int(t) for t in cand if int(t) not in eos]
+            if not cand:
+                break
+            best = _pick(state, cand, self._vocab)
+            m.consume_token(best)
+            state = scan(state, self._vocab.texts[best])
+            plan.append(best)
+        return plan

@@ -68,7 +68,7 @@ def logits_processors(p: SamplingParams, tokenizer: Any, vocab_size: int) -> lis
     if p.grammar:
         from .grammar import GrammarProcessor
 
-        procs.append(GrammarProcessor(p.grammar, tokenizer, vocab_size))
+        procs.append(GrammarProcessor(p.grammar, tokenizer, vocab_size, p.max_tokens))
     return procs
 
 
