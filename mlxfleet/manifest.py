@@ -339,9 +339,33 @@ def check_unique(results: list[FileResult], owners: frozenset[str] = frozenset()
                 if key in owner:
                     res.errors.append(ManifestError(
                         lm.file, f"{key!r} is already used by {owner[key]}", lm.document, fld))
+                elif is_pattern(key):
+                    for other, where in owner.items():
+                        if is_pattern(other) and patterns_overlap(key, other):
+                            res.errors.append(ManifestError(
+                                lm.file, f"alias pattern {key!r} overlaps {other!r} of "
+                                f"{where}: one name would match both", lm.document, fld))
+                            break
             if not res.errors:
                 for _, key in keys:
                     owner[key] = here
+
+
+def is_pattern(alias: str) -> bool:
+    """Aliases with ``*``, ``?`` or ``[...]`` are glob patterns (``claude-*``)."""
+    return any(c in alias for c in "*?[")
+
+
+def patterns_overlap(a: str, b: str) -> bool:
+    """Whether some name could match both patterns: checked on the names each pattern
+    writes literally (``claude-*`` and ``claude-3*`` overlap; ``gpt-*`` and ``claude-*``
+    do not). Two patterns with no literal part in common in that sense pass."""
+    from fnmatch import fnmatchcase
+
+    def sample(p: str) -> str:  # one name the pattern matches
+        return p.replace("*", "").replace("?", "x").split("[", 1)[0]
+
+    return fnmatchcase(sample(a), b) or fnmatchcase(sample(b), a)
 
 
 def load_paths(paths: list[Path], owners: frozenset[str] = frozenset(),

@@ -366,3 +366,18 @@ def test_the_default_budget_says_where_it_comes_from(tmp_path, monkeypatch):
     assert s.wired_limit_bytes() == total // 2
     with pytest.raises(ValueError):
         ServerSettings(manifests_dir=tmp_path, wired_limit="lots")
+
+
+async def test_glob_aliases_route_what_no_exact_name_claims(fleet):
+    fleet.write("local", aliases=["claude-*", "gpt-4o"])
+    fleet.write("special", aliases=["claude-special"])
+    await fleet.sup.reload()
+    fleet.write("greedy", aliases=["claude-3*"])  # overlaps the running claude-*: an error
+    await fleet.sup.reload()
+    assert fleet.sup.resolve("claude-sonnet-4-5").name == "local"
+    assert fleet.sup.resolve("claude-special").name == "special"  # exact beats a pattern
+    assert fleet.sup.resolve("gpt-4o").name == "local"
+    assert fleet.sup.resolve("gpt-5") is None
+    assert "greedy" not in fleet.sup.models
+    (err,) = fleet.sup.file_errors[str(fleet.dir / "greedy.yaml")]
+    assert "overlaps" in err.message and "claude-*" in err.message

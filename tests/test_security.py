@@ -206,6 +206,44 @@ def test_the_server_default_cache_budget_reaches_the_worker(secured):
     assert s["prompt_cache"]["budget_bytes"] == 256 << 20
 
 
+SEED_COUNTERS = ("steps_executed", "num_running", "num_waiting", "total_requests_processed",
+                 "total_prompt_tokens", "total_completion_tokens")
+SEED_REQUEST = ("request_id", "phase", "tokens_per_second", "ttft_s", "progress",
+                "cache_hit_type", "cached_tokens", "generated_tokens", "max_tokens")
+
+
+def test_status_has_vllm_mlx_documented_shape(secured):
+    import threading
+
+    r = httpx.post(secured.url + "/v1/chat/completions", headers=auth(), json=CHAT, timeout=30)
+    assert r.status_code == 200
+    hold = threading.Thread(target=lambda: httpx.post(
+        secured.url + "/v1/chat/completions", headers=auth(), timeout=60,
+        json={**CHAT, "model": "slow", "max_tokens": 200, "ignore_eos": True}))
+    hold.start()
+    assert wait_for(lambda: httpx.get(secured.url + "/v1/status", headers=auth())
+                    .json()["requests"], 20)
+    s = httpx.get(secured.url + "/v1/status", headers=auth()).json()
+    hold.join()
+    assert s["status"] == "running" and s["model"] == ["slow", "tiny"]
+    assert s["uptime_s"] > 0
+    for key in SEED_COUNTERS:
+        assert isinstance(s[key], int) and s[key] >= 0, key
+    assert s["total_requests_processed"] >= 1 and s["total_completion_tokens"] >= 4
+    assert set(s["metal"]) == {"active_memory_gb", "peak_memory_gb", "cache_memory_gb"}
+    assert s["metal"]["active_memory_gb"] > 0
+    assert set(s["cache"]) == {"type", "entries", "hit_rate", "memory_mb"}
+    assert 0 <= s["cache"]["hit_rate"] <= 1
+    (req,) = [q for q in s["requests"] if q["model"] == "slow"]
+    assert set(SEED_REQUEST) <= set(req)
+    assert req["phase"] in ("queued", "prefill", "generation") and req["max_tokens"] == 200
+    assert req["cache_hit_type"] in (None, "exact", "prefix", "supersequence", "lcp", "miss")
+    # Each model has the same shape, under models.
+    tiny = s["models"]["tiny"]
+    assert tiny["status"] == "running" and tiny["model"] == "tiny"
+    assert all(k in tiny for k in (*SEED_COUNTERS, "metal", "cache", "requests"))
+
+
 def test_client_keys_read_and_infer_only_the_admin_key_changes_models(tmp_path):
     f = Fleet(tmp_path, env={"MLXFLEET_API_KEY": "client", "MLXFLEET_ADMIN_KEY": "admin"})
     f.write("tiny.yaml", manifest("tiny", preload=False))

@@ -28,6 +28,7 @@ class Metrics:
     def __init__(self, supervisor: Any):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.started = time.time()
         self.sup = supervisor
         self.registry = CollectorRegistry()
         r = self.registry
@@ -141,7 +142,35 @@ class Metrics:
             if n in workers:
                 entry.update(workers[n])
             models[n] = entry
-        return {"status": "ok", "models": models, "memory": self.sup.memory_status()}
+        return {**aggregate_status(models, time.time() - self.started),
+                "models": models, "memory": self.sup.memory_status()}
+
+
+def aggregate_status(models: dict[str, dict], uptime: float) -> dict[str, Any]:
+    """The whole server in vllm-mlx's ``/v1/status`` shape: counters summed over the
+    loaded models, ``model`` the one name (or the list), every in-flight request."""
+    loaded = {n: m for n, m in models.items() if "steps_executed" in m}
+    out: dict[str, Any] = {
+        "status": "running" if loaded else "not_loaded",
+        "model": next(iter(models)) if len(models) == 1 else sorted(models),
+        "uptime_s": round(uptime, 3)}
+    for key in ("steps_executed", "num_running", "num_waiting", "total_requests_processed",
+                "total_prompt_tokens", "total_completion_tokens"):
+        out[key] = sum(m.get(key, 0) for m in loaded.values())
+    out["metal"] = {k: round(sum(m["metal"][k] for m in loaded.values()), 3)
+                    for k in ("active_memory_gb", "peak_memory_gb", "cache_memory_gb")}
+    entries = sum(m["cache"]["entries"] for m in loaded.values())
+    hits = looked = 0
+    for m in loaded.values():
+        pc = m.get("prompt_cache") or {}
+        h = sum((pc.get("hits") or {}).values())
+        hits, looked = hits + h, looked + h + pc.get("misses", 0)
+    out["cache"] = {"type": "prefix_lru", "entries": entries,
+                    "hit_rate": round(hits / looked, 4) if looked else 0.0,
+                    "memory_mb": round(sum(m["cache"]["memory_mb"] for m in loaded.values()), 1)}
+    out["requests"] = [{**r, "model": n} for n, m in loaded.items()
+                       for r in m.get("requests", [])]
+    return out
 
 
 UNMATCHED = "<unmatched>"

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from quart import Quart, Response, request
 
+from ..manifest import is_pattern
 from ..wire import APIError, parse_json_body
 
 #: What /api/version reports: the Ollama API level these routes follow (clients compare
@@ -91,7 +92,8 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
         for n in supervisor.names():
             rt = supervisor.models[n]
             for name in (n, *rt.manifest.spec.aliases):
-                models.append(_entry(rt, name))
+                if not is_pattern(name):  # claude-* is a route, not a model to list
+                    models.append(_entry(rt, name))
         return {"models": models}
 
     @app.get("/api/ps")

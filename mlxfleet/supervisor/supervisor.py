@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from ..manifest import FileResult, LoadedManifest, ManifestError, load_paths
+from ..manifest import FileResult, LoadedManifest, ManifestError, is_pattern, load_paths
 from ..settings import ServerSettings
 from ..units import fmt_bytes
 from .admission import Acquire, AdmissionError, until_ready
@@ -66,6 +66,7 @@ class Supervisor:
         self.runtime_dir: Optional[Path] = None  # made by start()
         self.models: dict[str, ModelRuntime] = {}
         self.aliases: dict[str, str] = {}
+        self.patterns: dict[str, str] = {}  # glob aliases -> model name
         self.file_errors: dict[str, list[ManifestError]] = {}
         self._last_good: dict[str, list[LoadedManifest]] = {}
         self._watch_task: Optional[asyncio.Task] = None
@@ -142,6 +143,13 @@ class Supervisor:
         rt = self.models.get(model)
         if rt is None and model in self.aliases:
             rt = self.models.get(self.aliases[model])
+        if rt is None:  # glob aliases (claude-*) after every exact name and alias
+            from fnmatch import fnmatchcase
+
+            for pattern, name in sorted(self.patterns.items()):
+                if fnmatchcase(model, pattern):
+                    rt = self.models.get(name)
+                    break
         if rt is None and model.endswith(":latest"):
             return self.resolve(model[:-len(":latest")])
         return rt if rt is not None and not rt.removed else None
@@ -207,7 +215,10 @@ class Supervisor:
                         self._spawn(self._preload(rt))
                 elif action is Action.DELETE:
                     self._delete(name)
-            self.aliases = {a: n for n, lm in desired.items() for a in lm.manifest.spec.aliases}
+            self.aliases = {a: n for n, lm in desired.items() for a in lm.manifest.spec.aliases
+                            if not is_pattern(a)}
+            self.patterns = {a: n for n, lm in desired.items()
+                             for a in lm.manifest.spec.aliases if is_pattern(a)}
             for rt in self.models.values():
                 errs = self.file_errors.get(rt.file)
                 rt.set_manifest_error("; ".join(map(str, errs)) if errs else None)

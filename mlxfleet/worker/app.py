@@ -75,9 +75,13 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
 
     @app.get("/v1/status")
     async def status_route():
-        return {"status": engine.state, "model": name, "source": engine.source, "task": task,
-                "uptime_s": round(time.time() - started, 3),
-                "load_seconds": engine.load_seconds, "blas": blas.active, **status()}
+        """vllm-mlx's documented shape (status, counters, ``metal``, ``cache``,
+        ``requests``), then our own fields."""
+        st = status()
+        return {"status": seed_state(engine.state), "model": name,
+                "uptime_s": round(time.time() - started, 3), **seed_counters(st),
+                "state": engine.state, "source": engine.source, "task": task,
+                "load_seconds": engine.load_seconds, "blas": blas.active, **st}
 
     other = EMBED_ROUTES if task == "generate" else GENERATE_ROUTES
     use = "/v1/chat/completions, /v1/completions or /v1/messages" if task == "generate" \
@@ -91,6 +95,33 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
     for route in other:
         app.add_url_rule(route, endpoint=f"wrong_task:{route}", view_func=wrong_task,
                          methods=["POST"])
+
+
+def seed_state(state: str) -> str:
+    """vllm-mlx's ``status``: running, not_loaded (loading or failed) or stopped."""
+    return {"ready": "running", "stopped": "stopped"}.get(state, "not_loaded")
+
+
+def seed_counters(st: dict[str, Any]) -> dict[str, Any]:
+    """vllm-mlx's counters from a worker's status (an embedding worker has fewer)."""
+    mem = st.get("mlx_memory") or {}
+    pc = st.get("prompt_cache") or {}
+    hits = sum((pc.get("hits") or {}).values())
+    looked = hits + pc.get("misses", 0)
+    gb = 1 << 30
+    return {
+        "steps_executed": st.get("steps_executed", 0), "num_running": st.get("num_running", 0),
+        "num_waiting": st.get("num_waiting", 0),
+        "total_requests_processed": st.get("requests_total", 0),
+        "total_prompt_tokens": st.get("prompt_tokens_total", 0),
+        "total_completion_tokens": st.get("generation_tokens_total", 0),
+        "metal": {"active_memory_gb": round(mem.get("active_bytes", 0) / gb, 3),
+                  "peak_memory_gb": round(mem.get("peak_bytes", 0) / gb, 3),
+                  "cache_memory_gb": round(mem.get("cache_bytes", 0) / gb, 3)},
+        "cache": {"type": "prefix_lru", "entries": pc.get("entries", 0),
+                  "hit_rate": round(hits / looked, 4) if looked else 0.0,
+                  "memory_mb": round(pc.get("bytes", 0) / (1 << 20), 1)},
+    }
 
 
 #: Prompts with more text than this are templated and tokenized in a thread.
