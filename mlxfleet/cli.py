@@ -155,6 +155,26 @@ def _add_server_commands(sub) -> None:
     p.add_argument("--default-top-p", type=float)
     p.add_argument("--stream-interval", type=int, help="tokens per streamed chunk")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    v = p.add_argument_group("vllm-mlx options", "vllm-mlx's flags, with its meanings; "
+                             "each also has a manifest field and a server setting")
+    v.add_argument("--continuous-batching", action="store_true",
+                   help="accepted: continuous batching is always on")
+    v.add_argument("--use-paged-cache", action="store_true",
+                   help="accepted: prompt prefixes are always shared from the prefix cache "
+                   "(the block cache is not built yet)")
+    v.add_argument("--cache-memory-mb", type=int, dest="default_cache_mb",
+                   help="each model's KV / prompt-cache budget in MiB (spec.cache.memoryMB)")
+    v.add_argument("--cache-memory-percent", type=float, dest="default_cache_percent",
+                   help="the same as a share (0-1) of RAM; with SOURCE and neither flag, "
+                   "0.20 as in vllm-mlx")
+    v.add_argument("--tool-call-parser", help="tool-call format (spec.parsers.toolCall)")
+    v.add_argument("--reasoning-parser", help="qwen3 or deepseek_r1 (spec.parsers.reasoning)")
+    v.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="parse tool calls (with SOURCE, off without this flag or a parser, "
+                   "as in vllm-mlx)")
+    v.add_argument("--embedding-model", metavar="SOURCE",
+                   help="with SOURCE: also serve this embedding model, preloaded")
+    v.add_argument("--mcp-config", metavar="FILE", help="MCP servers to connect (not yet)")
 
     g = sub.add_parser("get", help="list models: mlxfleet get models")
     g.add_argument("what", choices=["models", "model"])
@@ -210,7 +230,7 @@ def _run_serve(args) -> int:
     from .settings import load_settings
 
     try:
-        settings = load_settings(
+        flags = dict(
             host=args.host, port=args.port, manifests_dir=args.manifests_dir,
             state_dir=args.state_dir, config_file=args.config_file, api_key=args.api_key,
             admin_key=args.admin_key,
@@ -219,13 +239,31 @@ def _run_serve(args) -> int:
             max_tokens=args.max_tokens, max_request_tokens=args.max_request_tokens,
             max_prompt_tokens=args.max_prompt_tokens,
             default_temperature=args.default_temperature, default_top_p=args.default_top_p,
-            stream_interval=args.stream_interval, log_json=args.log_json)
+            stream_interval=args.stream_interval, log_json=args.log_json,
+            default_cache_mb=args.default_cache_mb,
+            default_cache_percent=args.default_cache_percent,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice)
+        if args.source:
+            flags.update(_quick_start_defaults(args))
+        settings = load_settings(**flags)
     except (ValidationError, FileNotFoundError, ValueError) as e:
         print(f"error: invalid settings: {e}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     if settings.log_json:
         _json_logs()
+    if args.mcp_config:
+        print("error: --mcp-config: MCP support is not available yet in mlxfleet; remove the "
+              "flag (the models serve without it)", file=sys.stderr)
+        return 2
+    if args.use_paged_cache:
+        logging.getLogger("mlxfleet").info(
+            "--use-paged-cache: prompt prefixes are shared from the prefix cache")
+    if args.embedding_model and not args.source:
+        print("error: --embedding-model goes with SOURCE; in a manifests folder, add a "
+              "manifest with spec.task: embedding", file=sys.stderr)
+        return 2
     if args.source:
         if args.manifests_dir:
             print("error: give either SOURCE or --manifests, not both", file=sys.stderr)
@@ -237,9 +275,35 @@ def _run_serve(args) -> int:
             f"metadata: {{name: {json.dumps(name)}}}\n"
             f"spec: {{source: {json.dumps(args.source)}, aliases: [default], "
             "preload: true, keepAlive: forever}\n")
+        if args.embedding_model:
+            emb = _default_name(args.embedding_model)
+            if emb == name:
+                emb += "-embed"
+            (folder / f"{emb}.yaml").write_text(
+                "apiVersion: mlxfleet/v1\nkind: Model\n"
+                f"metadata: {{name: {json.dumps(emb)}}}\n"
+                f"spec: {{source: {json.dumps(args.embedding_model)}, task: embedding, "
+                "preload: true, keepAlive: forever}\n")
+            print(f"embedding model: {args.embedding_model} as '{emb}'", file=sys.stderr)
         settings.manifests_dir = folder
     asyncio.run(serve(settings))
     return 0
+
+
+def _quick_start_defaults(args) -> dict:
+    """``serve SOURCE`` behaves as ``vllm-mlx serve`` does where flags are not given:
+    32768 tokens by default and at most (clipped to the context), a KV budget of 20% of
+    RAM, tool calls parsed only with --enable-auto-tool-choice or a parser."""
+    out: dict = {}
+    if args.max_tokens is None:
+        out["max_tokens"] = 32768
+    if args.max_request_tokens is None:
+        out["max_request_tokens"] = 32768
+    if args.default_cache_mb is None and args.default_cache_percent is None:
+        out["default_cache_percent"] = 0.20
+    if args.enable_auto_tool_choice is None and args.tool_call_parser is None:
+        out["enable_auto_tool_choice"] = False
+    return out
 
 
 def _json_logs() -> None:
@@ -462,6 +526,25 @@ def _run_schema(args) -> int:
     return 0
 
 
+def _run_service(args) -> int:
+    from . import service
+    from .settings import default_state_dir
+
+    state = Path(args.state_dir).expanduser().resolve() if args.state_dir else \
+        default_state_dir()
+    extra = ["--config", str(Path(args.config).resolve())] if args.config else []
+    svc = service.make(Path(args.manifests), args.port, args.host, args.system, state, extra)
+    if args.action == "print":
+        print(f"# {svc.path}")
+        sys.stdout.write(svc.text.decode())
+        return 0
+    if args.action == "install":
+        return service.install(svc, state, args.dry_run)
+    if args.action == "uninstall":
+        return service.uninstall(svc, args.dry_run)
+    return service.run([svc.status], args.dry_run)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="mlxfleet",
                                      description="Serve local LLMs with MLX from YAML manifests.")
@@ -469,6 +552,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_server_commands(sub)
     _add_worker(sub)
+    sv = sub.add_parser("service", help="run the server at login or boot (launchd/systemd)",
+                        description="Install mlxfleet serve as a launchd agent (macOS) or a "
+                        "systemd user unit (Linux); --system: a LaunchDaemon / system unit "
+                        "that runs before anyone logs in (needs root).")
+    sv.add_argument("action", choices=["install", "uninstall", "status", "print"])
+    sv.add_argument("--system", action="store_true")
+    sv.add_argument("--manifests", default="./manifests", help="manifests folder (./manifests)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--state-dir", default=None, help="logs and state (the default state dir)")
+    sv.add_argument("--config", default=None, help="a settings file for the server (keep "
+                    "API keys there, mode 0600: they are not written into the service file)")
+    sv.add_argument("--dry-run", action="store_true", help="print, change nothing")
     p = sub.add_parser("make-model", help="write a builtin model to a directory")
     p.add_argument("source", help="builtin:tiny, builtin:tiny-10m, builtin:tiny-50m, "
                    "builtin:demo")
@@ -482,7 +578,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
                 "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
-                "schema": _run_schema}
+                "schema": _run_schema, "service": _run_service}
     return commands[args.command](args)
 
 

@@ -103,6 +103,16 @@ class ServerSettings(BaseSettings):
     default_temperature: Optional[float] = Field(None, ge=0, le=2)
     default_top_p: Optional[float] = Field(None, gt=0, le=1)
     stream_interval: Optional[int] = Field(None, ge=1)
+    default_cache_percent: Optional[float] = Field(
+        None, gt=0, le=1, description="KV budget of a model whose manifest sets none, as a "
+        "share of physical memory (instead of default_cache_mb)")
+    tool_call_parser: Optional[str] = Field(None, description="tool-call format of models "
+                                            "whose manifest sets none (spec.parsers.toolCall)")
+    reasoning_parser: Optional[str] = Field(None, description="reasoning parser of models "
+                                            "whose manifest sets none (spec.parsers.reasoning)")
+    enable_auto_tool_choice: Optional[bool] = Field(
+        None, description="parse tool calls of models whose manifest names no tool-call "
+        "parser (unset: yes; `serve SOURCE` follows vllm-mlx: only with the flag)")
     log_max_bytes: int = Field(10 << 20, gt=0)
     log_backups: int = Field(3, ge=0)
 

@@ -22,8 +22,11 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
         "max_concurrency": s.batching.max_concurrency, "max_queue": s.batching.max_queue,
         "prefill_batch_size": s.batching.prefill_batch_size,
         "prefill_step_size": s.batching.prefill_step_size,
-        "cache_bytes": cache_budget(s.cache.memory_mb, s.cache.memory_percent,
-                                    getattr(server, "default_cache_mb", None)),
+        "cache_bytes": cache_budget(
+            s.cache.memory_mb, s.cache.memory_percent
+            if s.cache.memory_mb is not None or s.cache.memory_percent is not None
+            else getattr(server, "default_cache_percent", None),
+            getattr(server, "default_cache_mb", None)),
         "max_tokens": pick(s.defaults.max_tokens, "max_tokens"),
         "max_request_tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
         "max_prompt_tokens": pick(s.limits.max_prompt_tokens, "max_prompt_tokens"),
@@ -31,7 +34,10 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
         "top_p": pick(s.defaults.top_p, "default_top_p"),
         "top_k": s.defaults.top_k,
         "stream_interval": pick(s.defaults.stream_interval, "stream_interval"),
-        "tool_call_parser": s.parsers.tool_call, "reasoning_parser": s.parsers.reasoning,
+        "tool_call_parser": pick(s.parsers.tool_call, "tool_call_parser"),
+        "reasoning_parser": pick(s.parsers.reasoning, "reasoning_parser"),
+        "auto_tool_choice": True if s.parsers.tool_call else getattr(
+            server, "enable_auto_tool_choice", None),
         "drain_timeout": getattr(server, "drain_timeout", None),
         "wired_limit_bytes": getattr(server, "wired_limit_bytes", lambda: None)(),
     }

@@ -48,6 +48,9 @@ class WorkerConfig(BaseModel):
     tool_call_parser: Optional[str] = Field(None, description="tool-call format (None or "
                                             "auto: from the chat template)")
     reasoning_parser: Optional[str] = Field(None, description="qwen3 or deepseek_r1")
+    auto_tool_choice: bool = Field(True, description="parse tool calls out of the output "
+                                   "(vllm-mlx's --enable-auto-tool-choice); off, tools are "
+                                   "shown to the model but its output stays text")
     drain_timeout: float = Field(30.0, ge=0, description="seconds SIGTERM waits for "
                                  "in-flight requests")
     stall_timeout: float = Field(300.0, gt=0, description="seconds the engine may hold work "

@@ -133,7 +133,7 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
             raise APIError(400, f"Invalid tools or tool_choice: {e}", param="tool_choice",
                            code="invalid_value") from None
         plan.forced_tool = True
-    elif req.tools and choice != "none":
+    elif req.tools and choice != "none" and info.defaults.auto_tool_choice:
         plan.tool_format = tool_format(info.defaults.tool_call_parser, tok)
     elif choice == "required" or isinstance(choice, dict):
         raise APIError(400, "tool_choice requires tools.", param="tool_choice",
