@@ -26,7 +26,9 @@ def test_exact_prefix_and_common_prefix_hits():
     cache, rest, kind = pc.fetch(conv[:60] + [777])
     assert kind == "lcp" and rest == [777] and cache[0].offset == 60
     assert pc.fetch(conv)[0][0].offset == 99  # a hit hands out a copy: the entry is intact
-    assert pc.status()["hits"] == {"exact": 2, "prefix": 1, "lcp": 1}
+    cache, rest, kind = pc.fetch(conv[:80])  # the prompt is a prefix of a cached sequence
+    assert kind == "supersequence" and rest == [79] and cache[0].offset == 79
+    assert pc.status()["hits"] == {"exact": 2, "prefix": 1, "supersequence": 1, "lcp": 1}
 
 
 def test_tiny_reuse_and_strangers_are_misses():
@@ -48,4 +50,4 @@ def test_budget_evicts_least_recently_used_and_prefixes_are_replaced():
     assert pc.fetch(b)[2] is None and pc.fetch(a)[2] == "exact"
     assert len(pc) == 2 and pc.nbytes == 2 * one and pc.status()["evictions"] == 1
     pc.store(a + [1, 2, 3], kv(103), room=2 * one)  # the longer entry replaces its prefix
-    assert len(pc) == 2 and pc.fetch(a)[2] == "lcp"
+    assert len(pc) == 2 and pc.fetch(a)[2] == "supersequence"

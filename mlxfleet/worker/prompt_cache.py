@@ -25,7 +25,8 @@ MIN_REUSE_TOKENS = 32
 
 @dataclass
 class CacheStats:
-    hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "prefix": 0, "lcp": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {
+        "exact": 0, "prefix": 0, "supersequence": 0, "lcp": 0})
     misses: int = 0
     cached_tokens_total: int = 0
     evictions: int = 0
@@ -65,7 +66,10 @@ class PromptCache:
         if found.exact is not None:
             kind, key, keep = "exact", found.exact, len(tokens)
         elif found.longer is not None and found.common_prefix > short:
-            kind, key, keep = "lcp", found.longer, min(len(tokens) - 1, found.common_prefix)
+            # A cached sequence that extends the whole prompt (a regenerate, a retry) is a
+            # supersequence; one that shares only a prefix with it, a longest common prefix.
+            kind = "supersequence" if found.common_prefix >= len(tokens) else "lcp"
+            key, keep = found.longer, min(len(tokens) - 1, found.common_prefix)
         elif short:
             kind, key, keep = "prefix", found.shorter, short
         else:
