@@ -31,7 +31,8 @@ BUILTIN_PREFIX = "builtin:"
 #: Bump when the generated builtin files change, so stale caches are rebuilt.
 BUILTIN_FORMAT = 1
 DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
-BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO]
+EMBED = "tiny-embed"  # a BERT-family encoder with random weights, for spec.task: embedding
+BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED]
 CONTEXT_LENGTH = 2048
 VOCAB_SIZE = 2048
 
@@ -203,14 +204,73 @@ def write_checkpoint(out_dir: Path, tok, shape: dict[str, int], weights: dict,
     return out_dir
 
 
+def write_encoder(out_dir: Path, name: str, hidden: int = 64, layers: int = 2,
+                  heads: int = 4, inter: int = 128, positions: int = 512) -> Path:
+    """A BERT checkpoint in Hugging Face's layout (config, tokenizer, safetensors, the
+    sentence-transformers pooling files), random weights: what ``task: embedding`` loads."""
+    from safetensors.numpy import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+    tok.save(str(out_dir / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    config = {"model_type": "bert", "architectures": ["BertModel"], "hidden_size": hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads,
+              "intermediate_size": inter, "max_position_embeddings": positions,
+              "type_vocab_size": 2, "vocab_size": vocab, "layer_norm_eps": 1e-12,
+              "hidden_act": "gelu", "mlxfleet": {"builtin": name, "format": BUILTIN_FORMAT}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": positions,
+        "pad_token": "<|endoftext|>", "unk_token": None, "bos_token": None,
+        "clean_up_tokenization_spaces": False}))
+    (out_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, "pooling_mode_mean_tokens": True}))
+    rng = np.random.default_rng(sum(map(ord, name)))
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    t = {"embeddings.word_embeddings.weight": w(vocab, hidden),
+         "embeddings.position_embeddings.weight": w(positions, hidden),
+         "embeddings.token_type_embeddings.weight": w(2, hidden),
+         "embeddings.LayerNorm.weight": np.ones(hidden, np.float32),
+         "embeddings.LayerNorm.bias": np.zeros(hidden, np.float32)}
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+        for part, (o, n) in {"attention.self.query": (hidden, hidden),
+                             "attention.self.key": (hidden, hidden),
+                             "attention.self.value": (hidden, hidden),
+                             "attention.output.dense": (hidden, hidden),
+                             "intermediate.dense": (inter, hidden),
+                             "output.dense": (hidden, inter)}.items():
+            t[p + part + ".weight"], t[p + part + ".bias"] = w(o, n), np.zeros(o, np.float32)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            t[p + norm + ".weight"] = np.ones(hidden, np.float32)
+            t[p + norm + ".bias"] = np.zeros(hidden, np.float32)
+    save_file(t, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "README.md").write_text(f"# builtin:{name}\n\nA BERT encoder with random "
+                                       "weights, written by mlxfleet for tests.\n")
+    return out_dir
+
+
 def write_builtin(name: str, out_dir: Path) -> Path:
     """Write the builtin model ``name`` (e.g. ``tiny``) as a checkpoint in ``out_dir``."""
     if name == DEMO:
         shutil.copytree(demo_dir(), out_dir, dirs_exist_ok=True)
         return out_dir
+    if name == EMBED:
+        return write_encoder(out_dir, name)
     if name not in BUILTIN_SIZES:
         raise ValueError(f"unknown builtin model {name!r}; choose one of: "
-                         f"{', '.join([*BUILTIN_SIZES, DEMO])}")
+                         f"{', '.join(BUILTIN_NAMES)}")
     shape = BUILTIN_SIZES[name]
     tok = train_tokenizer(_corpus(), VOCAB_SIZE)
     weights = _weights(shape, tok.get_vocab_size(), seed=sum(map(ord, name)))

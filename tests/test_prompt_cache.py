@@ -40,8 +40,8 @@ def test_tiny_reuse_and_strangers_are_misses():
 
 
 def test_budget_evicts_least_recently_used_and_prefixes_are_replaced():
-    one = sum(c.nbytes for c in kv(100))
-    pc = PromptCache(2 * one)
+    one = 2 * 1 * 2 * 100 * 8 * 4  # keys and values of 100 tokens, exactly (no padding)
+    pc = PromptCache(2 * one + one * 3 // 100)  # room for two entries (and 3 tokens more)
     a, b, c = (list(range(s, s + 100)) for s in (0, 1000, 2000))
     pc.store(a, kv(100), room=2 * one)
     pc.store(b, kv(100), room=2 * one)
@@ -49,5 +49,26 @@ def test_budget_evicts_least_recently_used_and_prefixes_are_replaced():
     pc.store(c, kv(100), room=2 * one)
     assert pc.fetch(b)[2] is None and pc.fetch(a)[2] == "exact"
     assert len(pc) == 2 and pc.nbytes == 2 * one and pc.status()["evictions"] == 1
-    pc.store(a + [1, 2, 3], kv(103), room=2 * one)  # the longer entry replaces its prefix
+    pc.store(a + [1, 2, 3], kv(103), room=pc.budget)  # the longer one replaces its prefix
     assert len(pc) == 2 and pc.fetch(a)[2] == "supersequence"
+
+
+def test_a_stored_cache_does_not_pin_the_batch_buffer_it_came_from():
+    import gc
+
+    batch = mx.zeros((16, 2, 1024, 8))  # the running batch's KV buffer (1 MiB)
+    mx.eval(batch)
+    c = KVCache()
+    c.keys, c.values, c.offset = batch[3:4, :, :1024], batch[5:6, :, :100], 100
+    base = mx.get_active_memory()
+    pc = PromptCache(1 << 30)
+    pc.store(list(range(100)), [c], room=1 << 30)
+    del batch, c
+    gc.collect()
+    # What remains is the entry's own 100 tokens, as counted, not the 1 MiB buffer.
+    assert mx.get_active_memory() <= base - batch_bytes() + 2 * pc.nbytes
+    assert pc.nbytes == 2 * 1 * 2 * 100 * 8 * 4
+
+
+def batch_bytes() -> int:
+    return 16 * 2 * 1024 * 8 * 4

@@ -38,6 +38,22 @@ class _Entry:
     nbytes: int
 
 
+def _compact(c: Any) -> Any:
+    """A finished sequence's KV cache, copied out of the batch's buffers. What the batch
+    hands back are views: kept as they are, each would pin the whole batch's (much
+    larger) buffer in memory while counting only its own bytes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    if type(c) is not KVCache or c.keys is None:  # rotating, quantized...: as they come
+        return c
+    keys, values, offset = c.keys, c.values, c.offset
+    c.keys = mx.contiguous(keys[..., :offset, :] + 0)  # + 0: a copy even of a whole block
+    c.values = mx.contiguous(values[..., :offset, :] + 0)
+    mx.eval(c.keys, c.values)
+    return c
+
+
 class PromptCache:
     """Retained KV caches keyed by token prefix, kept under ``budget_bytes``."""
 
@@ -97,6 +113,7 @@ class PromptCache:
         if not tokens or room <= 0:
             return
         key = tuple(tokens)
+        cache = [_compact(c) for c in cache]
         entry = _Entry(cache, sum(c.nbytes for c in cache))
         old = self._trie.add(_KEY, list(tokens), entry)
         if old is not None:
