@@ -159,9 +159,8 @@ def _add_server_commands(sub) -> None:
                              "each also has a manifest field and a server setting")
     v.add_argument("--continuous-batching", action="store_true",
                    help="accepted: continuous batching is always on")
-    v.add_argument("--use-paged-cache", action="store_true",
-                   help="accepted: prompt prefixes are always shared from the prefix cache "
-                   "(the block cache is not built yet)")
+    v.add_argument("--use-paged-cache", action="store_true", default=None,
+                   help="keep prompts as shared 64-token KV blocks (spec.cache.paged)")
     v.add_argument("--cache-memory-mb", type=int, dest="default_cache_mb",
                    help="each model's KV / prompt-cache budget in MiB (spec.cache.memoryMB)")
     v.add_argument("--cache-memory-percent", type=float, dest="default_cache_percent",
@@ -243,7 +242,8 @@ def _run_serve(args) -> int:
             default_cache_mb=args.default_cache_mb,
             default_cache_percent=args.default_cache_percent,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-            enable_auto_tool_choice=args.enable_auto_tool_choice)
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            use_paged_cache=args.use_paged_cache)
         if args.source:
             flags.update(_quick_start_defaults(args))
         settings = load_settings(**flags)
@@ -257,9 +257,6 @@ def _run_serve(args) -> int:
         print("error: --mcp-config: MCP support is not available yet in mlxfleet; remove the "
               "flag (the models serve without it)", file=sys.stderr)
         return 2
-    if args.use_paged_cache:
-        logging.getLogger("mlxfleet").info(
-            "--use-paged-cache: prompt prefixes are shared from the prefix cache")
     if args.embedding_model and not args.source:
         print("error: --embedding-model goes with SOURCE; in a manifests folder, add a "
               "manifest with spec.task: embedding", file=sys.stderr)

@@ -52,6 +52,9 @@ class CacheSpec(_Spec):
     memory_mb: Optional[int] = Field(default=None, gt=0, alias="memoryMB")
     memory_percent: Optional[float] = Field(default=None, gt=0, le=1,
                                             description="share of machine memory, 0-1")
+    paged: Optional[bool] = Field(default=None, description="share prompt prefixes in "
+                                  "64-token KV blocks (vllm-mlx's --use-paged-cache) instead "
+                                  "of keeping whole prompts")
 
     @model_validator(mode="after")
     def _one_of(self):

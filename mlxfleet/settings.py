@@ -103,6 +103,9 @@ class ServerSettings(BaseSettings):
     default_temperature: Optional[float] = Field(None, ge=0, le=2)
     default_top_p: Optional[float] = Field(None, gt=0, le=1)
     stream_interval: Optional[int] = Field(None, ge=1)
+    use_paged_cache: Optional[bool] = Field(None, description="the block prefix cache for "
+                                            "models whose manifest does not say "
+                                            "(spec.cache.paged)")
     default_cache_percent: Optional[float] = Field(
         None, gt=0, le=1, description="KV budget of a model whose manifest sets none, as a "
         "share of physical memory (instead of default_cache_mb)")

@@ -72,3 +72,54 @@ def test_a_stored_cache_does_not_pin_the_batch_buffer_it_came_from():
 
 def batch_bytes() -> int:
     return 16 * 2 * 1024 * 8 * 4
+
+
+# ---- the block ("paged") cache -----------------------------------------------------
+
+def test_blocks_share_a_common_system_prompt_across_conversations():
+    from mlxfleet.worker.block_cache import BLOCK_TOKENS, BlockCache
+
+    system = list(range(4 * BLOCK_TOKENS))  # 256 tokens every conversation starts with
+    convs = [system + list(range(1000 * i, 1000 * i + 100)) for i in (1, 2, 3)]
+    bc, lru = BlockCache(1 << 30), PromptCache(1 << 30)
+    for conv in convs:
+        bc.store(conv, kv(len(conv)), room=1 << 30)
+        lru.store(conv, kv(len(conv)), room=1 << 30)
+    block = 2 * 1 * 2 * BLOCK_TOKENS * 8 * 4
+    assert len(bc) == 4 + 3 * (100 // BLOCK_TOKENS)  # the system prompt's blocks once
+    assert bc.nbytes == len(bc) * block and bc.nbytes < lru.nbytes / 2
+    cache, rest, kind = bc.fetch(system + [7] * 10)  # a new conversation
+    assert kind == "prefix" and rest == [7] * 10
+    assert cache[0].offset == 256 and cache[0].keys.shape == (1, 2, 256, 8)
+
+
+def test_block_hit_kinds():
+    from mlxfleet.worker.block_cache import BLOCK_TOKENS as B
+    from mlxfleet.worker.block_cache import BlockCache
+
+    seq = list(range(3 * B + 10))
+    bc = BlockCache(1 << 30)
+    bc.store(seq, kv(len(seq)), room=1 << 30)  # three full blocks kept
+    assert bc.fetch(seq[:2 * B + 1])[2] == "exact"  # all but the last token cached
+    cache, rest, kind = bc.fetch(seq[:2 * B + 20])  # a prompt the cached one extends
+    assert kind == "supersequence" and len(rest) == 20 and cache[0].offset == 2 * B
+    assert bc.fetch(seq[:2 * B] + [seq[2 * B], -5, -6])[2] == "lcp"
+    assert bc.fetch(seq[:2 * B] + [-1] * 5)[2] == "prefix"
+    assert bc.fetch([-1] * (3 * B))[0] is None
+    assert bc.status()["hits"] == {"exact": 1, "prefix": 1, "supersequence": 1, "lcp": 1}
+
+
+def test_blocks_evict_least_recently_used_leaves_first():
+    from mlxfleet.worker.block_cache import BLOCK_TOKENS as B
+    from mlxfleet.worker.block_cache import BlockCache
+
+    block = 2 * 1 * 2 * B * 8 * 4
+    bc = BlockCache(4 * block)
+    a, b = list(range(2 * B)), list(range(B)) + list(range(5000, 5000 + B))
+    bc.store(a, kv(len(a)), room=bc.budget)  # blocks a0, a1
+    bc.store(b, kv(len(b)), room=bc.budget)  # a0 shared, b1
+    c = list(range(9000, 9000 + 2 * B))
+    bc.store(c, kv(len(c)), room=bc.budget)  # c0, c1: 5 blocks > 4, a leaf goes
+    assert len(bc) == 4 and bc.nbytes == 4 * block and bc.stats.evictions == 1
+    assert bc.fetch(a + [1])[2] is not None or bc.fetch(b + [1])[2] is not None
+    assert bc.fetch(list(range(B)) + [1])[2] is not None  # the shared root survived

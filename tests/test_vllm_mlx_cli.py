@@ -31,13 +31,13 @@ def serve(tmp: Path, *args: str, key: str = "x"):
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
     try:
-        def ready():
+        def ready():  # /health: open, and not counted by the rate limit
             if proc.poll() is not None:
                 raise AssertionError((tmp / "serve.log").read_text())
             try:
-                models = client.models.list().data
-                return models and all(m.model_extra["ready"] for m in models)
-            except (openai.APIConnectionError, openai.AuthenticationError):
+                h = httpx.get(url + "/health", timeout=5).json()
+                return h["models"] and h["ready"] == h["models"]
+            except httpx.HTTPError:
                 return False
 
         assert wait_for(ready, 90), (tmp / "serve.log").read_text()
@@ -61,6 +61,13 @@ def test_the_documented_production_command(tmp_path):
         s = httpx.get(url + "/v1/status", headers={"Authorization":
                                                    "Bearer your-secret-key"}).json()
         assert s["status"] == "running" and s["model"] == "demo"
+        assert s["cache"]["type"] == "paged"  # --use-paged-cache: the block cache
+        system = {"role": "system", "content": "You are helpful. " * 60}
+        for question, expect_cached in (("Hello!", False), ("What colour is the sky?", True)):
+            r = client.chat.completions.create(model="demo", max_tokens=5, messages=[
+                system, {"role": "user", "content": question}])
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert (cached >= 128) == expect_cached, cached  # the shared blocks
         # vllm-mlx's defaults: 32768 tokens by default and at most; 20% of RAM for the cache
         import psutil
 

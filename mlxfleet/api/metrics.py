@@ -165,7 +165,8 @@ def aggregate_status(models: dict[str, dict], uptime: float) -> dict[str, Any]:
         pc = m.get("prompt_cache") or {}
         h = sum((pc.get("hits") or {}).values())
         hits, looked = hits + h, looked + h + pc.get("misses", 0)
-    out["cache"] = {"type": "prefix_lru", "entries": entries,
+    kinds = sorted({m["cache"]["type"] for m in loaded.values()})
+    out["cache"] = {"type": kinds[0] if len(kinds) == 1 else "mixed", "entries": entries,
                     "hit_rate": round(hits / looked, 4) if looked else 0.0,
                     "memory_mb": round(sum(m["cache"]["memory_mb"] for m in loaded.values()), 1)}
     out["requests"] = [{**r, "model": n} for n, m in loaded.items()

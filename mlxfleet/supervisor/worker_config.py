@@ -27,6 +27,7 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
             if s.cache.memory_mb is not None or s.cache.memory_percent is not None
             else getattr(server, "default_cache_percent", None),
             getattr(server, "default_cache_mb", None)),
+        "paged_cache": pick(s.cache.paged, "use_paged_cache"),
         "max_tokens": pick(s.defaults.max_tokens, "max_tokens"),
         "max_request_tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
         "max_prompt_tokens": pick(s.limits.max_prompt_tokens, "max_prompt_tokens"),

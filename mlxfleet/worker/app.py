@@ -118,7 +118,7 @@ def seed_counters(st: dict[str, Any]) -> dict[str, Any]:
         "metal": {"active_memory_gb": round(mem.get("active_bytes", 0) / gb, 3),
                   "peak_memory_gb": round(mem.get("peak_bytes", 0) / gb, 3),
                   "cache_memory_gb": round(mem.get("cache_bytes", 0) / gb, 3)},
-        "cache": {"type": "prefix_lru", "entries": pc.get("entries", 0),
+        "cache": {"type": pc.get("type", "prefix_lru"), "entries": pc.get("entries", 0),
                   "hit_rate": round(hits / looked, 4) if looked else 0.0,
                   "memory_mb": round(pc.get("bytes", 0) / (1 << 20), 1)},
     }

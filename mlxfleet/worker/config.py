@@ -33,6 +33,8 @@ class WorkerConfig(BaseModel):
     prefill_step_size: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     cache_bytes: int = Field(1 << 30, gt=0, description="KV memory budget: running "
                              "sequences plus retained prompt caches")
+    paged_cache: bool = Field(False, description="retain prompts as shared 64-token KV blocks "
+                              "(the block prefix cache) rather than whole")
 
     max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
                             "no max_tokens (clipped to the context)")

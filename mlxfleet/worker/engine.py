@@ -229,7 +229,23 @@ class Engine:
         self._no_stop = StopSequences(None)
         self._special = special_token_ids(self.tokenizer)
         self._reserved = 0
-        self.prompt_cache = PromptCache(cfg.cache_bytes)
+        self.prompt_cache = self._new_prompt_cache()
+
+    def _new_prompt_cache(self):
+        """The block cache when asked for and the model's layers can be cut into blocks
+        (plain ``KVCache``), else the whole-prompt LRU."""
+        cfg = self.config
+        if cfg.paged_cache:
+            from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+            from .block_cache import BlockCache
+
+            kinds = {type(c) for c in make_prompt_cache(self._model)}
+            if kinds == {KVCache}:
+                return BlockCache(cfg.cache_bytes)
+            log.warning("this model's KV caches (%s) cannot be cut into blocks; keeping "
+                        "whole prompts", ", ".join(sorted(k.__name__ for k in kinds)))
+        return PromptCache(cfg.cache_bytes)
 
     def _serve(self) -> None:
         while not self._stop:
