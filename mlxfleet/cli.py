@@ -66,6 +66,8 @@ def _add_worker(sub) -> None:
                    f"caches (default {default('cache_bytes') >> 20})")
     p.add_argument("--cache-percent", type=float, default=None,
                    help="KV memory budget as a share (0-1) of physical memory")
+    p.add_argument("--use-paged-cache", action="store_true", default=None,
+                   dest="paged_cache", help="keep prompts as shared 64-token KV blocks")
     for flag, typ, text in _WORKER_FLAGS:
         field = flag[2:].replace("-", "_")
         d = default(field)
@@ -84,7 +86,7 @@ def worker_config_from_args(args):
             text = Path(text[1:]).read_text()
         base = json.loads(text)
     given = {f[2:].replace("-", "_") for f, _, _ in _WORKER_FLAGS} | {
-        "source", "name", "task", "trust_remote_code"}
+        "source", "name", "task", "trust_remote_code", "paged_cache"}
     base.update({k: getattr(args, k) for k in given if getattr(args, k) is not None})
     if args.cache_mb is not None or args.cache_percent is not None:
         base["cache_bytes"] = cache_budget(args.cache_mb, args.cache_percent)

@@ -123,3 +123,18 @@ def test_blocks_evict_least_recently_used_leaves_first():
     assert len(bc) == 4 and bc.nbytes == 4 * block and bc.stats.evictions == 1
     assert bc.fetch(a + [1])[2] is not None or bc.fetch(b + [1])[2] is not None
     assert bc.fetch(list(range(B)) + [1])[2] is not None  # the shared root survived
+
+
+def test_a_worker_with_the_block_cache_reuses_a_shared_system_prompt(start_worker):
+    w = start_worker("--use-paged-cache", source="builtin:tiny")
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    with w.client() as c:
+        got = []
+        for q in ("first question", "another one"):
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                      "messages": [system, {"role": "user",
+                                                                            "content": q}]})
+            got.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        st = c.get("/v1/status").json()
+    assert got[0] == 0 and got[1] >= 128  # the second conversation reused the blocks
+    assert st["prompt_cache"]["type"] == "paged" and st["cache"]["type"] == "paged"
