@@ -17,9 +17,30 @@ WEATHER = {"type": "function", "function": {
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
+def thinking_model(root) -> str:
+    """builtin:tiny with a Qwen3-style template: ``enable_thinking`` opens a <think> block."""
+    import shutil
+
+    from mlxfleet.builtin import ensure_builtin
+
+    d = root / "thinker"
+    shutil.copytree(ensure_builtin("tiny"), d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    gen = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    assert gen in cfg["chat_template"]
+    cfg["chat_template"] = cfg["chat_template"].replace(gen, gen.replace(
+        "{%- endif %}", "{%- if enable_thinking is defined and enable_thinking %}"
+        "{{- '<think>\\n' }}{%- endif %}{%- endif %}"))
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("ollama"))
+    root = tmp_path_factory.mktemp("ollama")
+    f = Fleet(root)
+    f.write("thinker.yaml", manifest("thinker", source=thinking_model(root), preload=False,
+                                     parsers={"reasoning": "qwen3"}))
     f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
                                   defaults={"temperature": 0}))
     f.write("tiny.yaml", manifest("tiny", source="builtin:tiny-10m", preload=False))
@@ -100,6 +121,19 @@ def test_tool_call_round_trip(client):
         q, r.message, {"role": "tool", "tool_name": "get_weather",
                        "content": json.dumps({"temp_c": 18, "sky": "sunny"})}])
     assert r2.message.content and not r2.message.tool_calls
+
+
+def test_think_opens_reasoning_in_the_template_and_fills_message_thinking(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat(model="thinker", messages=msgs, think=True, options={"num_predict": 6, "temperature": 0})
+    assert r.message.thinking and not r.message.content  # the model never closes <think>
+    parts = list(client.chat(model="thinker", messages=msgs, think=True, stream=True,
+                             options={"num_predict": 6, "temperature": 0}))
+    assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+    r = client.chat(model="thinker", messages=msgs, think=False, options={"num_predict": 6, "temperature": 0})
+    assert r.message.content and not r.message.thinking
+    r = client.generate(model="thinker", prompt="hi", think=True, options={"num_predict": 6, "temperature": 0})
+    assert r.thinking and not r.response
 
 
 def test_embed_and_embeddings(client):

@@ -153,10 +153,21 @@ def _messages(body: ChatBody) -> list[dict[str, Any]]:
     return out
 
 
+def _think(body: _Common) -> dict[str, Any]:
+    """``think`` for the chat template: Qwen3-style templates read ``enable_thinking``,
+    gpt-oss-style ones ``reasoning_effort`` ("high", "medium", "low")."""
+    if body.think is None:
+        return {}
+    if isinstance(body.think, str):
+        return {"enable_thinking": True, "reasoning_effort": body.think}
+    return {"enable_thinking": body.think}
+
+
 def chat_request(raw: dict[str, Any]) -> GenRequest:
     body = parse_model(ChatBody, raw)
     return GenRequest(messages=_messages(body), tools=body.tools or None,
-                      response_schema=_schema(body.format), **_sampling(body))
+                      response_schema=_schema(body.format), template_kwargs=_think(body),
+                      **_sampling(body))
 
 
 _GO_IF = re.compile(r"\{\{-?\s*if\s+\.(\w+)\s*-?\}\}(.*?)\{\{-?\s*end\s*-?\}\}", re.S)
@@ -190,7 +201,8 @@ def generate_request(raw: dict[str, Any]) -> GenRequest:
         return GenRequest(prompts=[text], prompt_param="prompt", **common)
     msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
         {"role": "user", "content": body.prompt}]
-    return GenRequest(messages=msgs, prompt_param="prompt", **common)
+    return GenRequest(messages=msgs, prompt_param="prompt", template_kwargs=_think(body),
+                      **common)
 
 
 def created_at() -> str:

@@ -92,6 +92,7 @@ def chat_request(body: dict[str, Any]) -> GenRequest:
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_schema=_response_schema(req.response_format),
+        template_kwargs=req.chat_template_kwargs or {},
         max_tokens=req.max_completion_tokens or req.max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         **_sampling(req))

@@ -47,6 +47,7 @@ class GenRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_param: str = "messages"  # the field errors about the prompt name
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
 
     @property
     def sequences(self) -> int:
@@ -85,7 +86,7 @@ def chat_prompt(info: ModelInfo, req: GenRequest) -> list[int]:
         return tok.encode(text + "assistant:")
     try:
         ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                      tokenize=True)
+                                      tokenize=True, **req.template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the client's input problem
         raise APIError(400, f"The chat template could not render these messages: {e}",
                        param="messages", code="invalid_messages") from None

@@ -144,6 +144,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: enable_thinking, ...
 
 
 class CompletionRequest(SamplingFields):
