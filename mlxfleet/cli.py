@@ -175,7 +175,8 @@ def _add_server_commands(sub) -> None:
                    "as in vllm-mlx)")
     v.add_argument("--embedding-model", metavar="SOURCE",
                    help="with SOURCE: also serve this embedding model, preloaded")
-    v.add_argument("--mcp-config", metavar="FILE", help="MCP servers to connect (not yet)")
+    v.add_argument("--mcp-config", metavar="FILE", help="MCP servers to start with the "
+                   "gateway (the mcpServers JSON desktop assistants use); /v1/mcp routes")
 
     g = sub.add_parser("get", help="list models: mlxfleet get models")
     g.add_argument("what", choices=["models", "model"])
@@ -201,6 +202,12 @@ def _add_server_commands(sub) -> None:
     ul.add_argument("name")
     for q in (ld, ul):
         q.add_argument("--server", default=None, help="gateway URL")
+    mc = sub.add_parser("mcp", help="MCP tool servers: mcp list | mcp call SERVER TOOL JSON")
+    mc.add_argument("action", choices=["list", "call"])
+    mc.add_argument("server_name", nargs="?")
+    mc.add_argument("tool", nargs="?")
+    mc.add_argument("arguments", nargs="?", default="{}", help="the tool's arguments (JSON)")
+    mc.add_argument("--server", default=None, help="gateway URL")
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server",
                        description="N concurrent streaming clients with fixed prompt and "
                        "output lengths; reports tokens/s, requests/s, TTFT and inter-token "
@@ -245,7 +252,7 @@ def _run_serve(args) -> int:
             default_cache_percent=args.default_cache_percent,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
-            use_paged_cache=args.use_paged_cache)
+            use_paged_cache=args.use_paged_cache, mcp_config=args.mcp_config)
         if args.source:
             flags.update(_quick_start_defaults(args))
         settings = load_settings(**flags)
@@ -255,10 +262,6 @@ def _run_serve(args) -> int:
     logging.getLogger().setLevel(settings.log_level.upper())
     if settings.log_json:
         _json_logs()
-    if args.mcp_config:
-        print("error: --mcp-config: MCP support is not available yet in mlxfleet; remove the "
-              "flag (the models serve without it)", file=sys.stderr)
-        return 2
     if args.embedding_model and not args.source:
         print("error: --embedding-model goes with SOURCE; in a manifests folder, add a "
               "manifest with spec.task: embedding", file=sys.stderr)
@@ -332,7 +335,7 @@ def _cli_key() -> str:
     return ""
 
 
-def _api(args, method: str, path: str, **kw):
+def _api(args, method: str, path: str, prefix: str = "/mlxfleet/v1", **kw):
     import httpx
 
     url = _server_url(args)
@@ -341,7 +344,7 @@ def _api(args, method: str, path: str, **kw):
         key = _cli_key()
         if key:
             kw.setdefault("headers", {})["Authorization"] = f"Bearer {key}"
-        r = httpx.request(method, url + "/mlxfleet/v1" + path, **kw)
+        r = httpx.request(method, url + prefix + path, **kw)
     except httpx.ConnectError:
         raise SystemExit(f"error: no mlxfleet server at {url} (start one with "
                          "`mlxfleet serve`, or pass --server)") from None
@@ -525,6 +528,28 @@ def _run_schema(args) -> int:
     return 0
 
 
+def _run_mcp(args) -> int:
+    if args.action == "list":
+        status = _api(args, "GET", "/mcp/status", prefix="/v1").json()["servers"]
+        tools = _api(args, "GET", "/mcp/tools", prefix="/v1").json()["data"]
+        rows = [["SERVER", "STATE", "TOOLS", "ERROR"]] + [
+            [s["name"], s["state"], str(s["tools"]), s["last_error"] or "-"] for s in status]
+        print(_table(rows) if len(rows) > 1 else "No MCP servers.")
+        for t in tools:
+            print(f"  {t['server']}/{t['tool']}: {t['function']['description']}")
+        return 0
+    if not (args.server_name and args.tool):
+        raise SystemExit("error: mcp call SERVER TOOL '{\"arg\": ...}'")
+    try:
+        arguments = json.loads(args.arguments)
+    except ValueError as e:
+        raise SystemExit(f"error: the arguments are not JSON: {e}") from None
+    r = _api(args, "POST", "/mcp/execute", prefix="/v1", timeout=None, json={
+        "server": args.server_name, "tool": args.tool, "arguments": arguments}).json()
+    print(r["text"] if r["text"] else json.dumps(r["content"], indent=2))
+    return 1 if r["is_error"] else 0
+
+
 def _run_service(args) -> int:
     from . import service
     from .settings import default_state_dir
@@ -577,7 +602,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
                 "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
-                "schema": _run_schema, "service": _run_service}
+                "schema": _run_schema, "service": _run_service, "mcp": _run_mcp}
     return commands[args.command](args)
 
 

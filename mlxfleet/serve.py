@@ -30,10 +30,13 @@ async def serve(settings: ServerSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     supervisor = Supervisor(settings)
-    app = create_gateway(supervisor)
+    mcp = _mcp_manager(settings)
+    app = create_gateway(supervisor, mcp)
 
     @app.before_serving
     async def _start():
+        if mcp is not None:
+            mcp.start()
         await supervisor.start()
         log.info("mlxfleet gateway on http://%s:%s, manifests in %s", settings.host,
                  settings.port, supervisor.manifests_dir)
@@ -42,6 +45,8 @@ async def serve(settings: ServerSettings) -> None:
     async def _stop():
         log.info("stopping: draining requests and workers")
         await supervisor.stop()
+        if mcp is not None:
+            await mcp.stop()
 
     config = Config()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
@@ -51,6 +56,27 @@ async def serve(settings: ServerSettings) -> None:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+
+
+def _mcp_manager(settings: ServerSettings):
+    """The MCP servers of ``--mcp-config``, not started yet (None without a config)."""
+    if settings.mcp_config is None:
+        return None
+    from .api.mcp import MCPConfigError, MCPManager, load_config
+
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --mcp-config needs the MCP SDK: pip install "
+                         "'mlxfleet[mcp]'") from None
+    try:
+        servers = load_config(settings.mcp_config)
+    except MCPConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    for s in servers.values():
+        if s.error:
+            log.error("MCP server %s: %s", s.name, s.error)
+    return MCPManager(servers, settings.mcp_call_timeout, settings.mcp_max_result_kb << 10)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -103,6 +103,10 @@ class ServerSettings(BaseSettings):
     default_temperature: Optional[float] = Field(None, ge=0, le=2)
     default_top_p: Optional[float] = Field(None, gt=0, le=1)
     stream_interval: Optional[int] = Field(None, ge=1)
+    mcp_config: Optional[Path] = Field(None, description="MCP servers to start with the "
+                                       "gateway (the mcpServers JSON of desktop assistants)")
+    mcp_call_timeout: float = Field(60.0, gt=0, description="seconds an MCP tool call may take")
+    mcp_max_result_kb: int = Field(1024, gt=0, description="larger MCP tool results are cut")
     use_paged_cache: Optional[bool] = Field(None, description="the block prefix cache for "
                                             "models whose manifest does not say "
                                             "(spec.cache.paged)")

@@ -125,14 +125,15 @@ def test_tool_call_round_trip(client):
 
 def test_think_opens_reasoning_in_the_template_and_fills_message_thinking(client):
     msgs = [{"role": "user", "content": "hi"}]
-    r = client.chat(model="thinker", messages=msgs, think=True, options={"num_predict": 6, "temperature": 0})
+    opts = {"num_predict": 6, "temperature": 0}
+    r = client.chat(model="thinker", messages=msgs, think=True, options=opts)
     assert r.message.thinking and not r.message.content  # the model never closes <think>
     parts = list(client.chat(model="thinker", messages=msgs, think=True, stream=True,
-                             options={"num_predict": 6, "temperature": 0}))
+                             options=opts))
     assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
-    r = client.chat(model="thinker", messages=msgs, think=False, options={"num_predict": 6, "temperature": 0})
+    r = client.chat(model="thinker", messages=msgs, think=False, options=opts)
     assert r.message.content and not r.message.thinking
-    r = client.generate(model="thinker", prompt="hi", think=True, options={"num_predict": 6, "temperature": 0})
+    r = client.generate(model="thinker", prompt="hi", think=True, options=opts)
     assert r.thinking and not r.response
 
 

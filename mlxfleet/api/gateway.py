@@ -27,6 +27,7 @@ from ..wire import (
     stream_error,
     streaming_response,
 )
+from .mcp import register_mcp
 from .metrics import Metrics, tag_model
 from .ollama import load_or_unload, register_ollama
 from .responses import ResponseStore, register_responses
@@ -43,7 +44,7 @@ _STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
 
 
-def create_gateway(supervisor: Any) -> Quart:
+def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
     from .guard import install_guard
@@ -153,6 +154,7 @@ def create_gateway(supervisor: Any) -> Quart:
     register_control(app, supervisor)
     register_ollama(app, supervisor)
     register_responses(app, store)
+    register_mcp(app, mcp)
     return app
 
 

@@ -329,7 +329,8 @@ class Supervisor:
 LOADER_ENV = ("LD_*", "DYLD_*", "PYTHON*", "PATH")
 
 
-def _matches(name: str, patterns) -> bool:
+def env_matches(name: str, patterns) -> bool:
+    """Whether ``name`` is one of ``patterns`` (exact, or a prefix ending in ``*``)."""
     return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
 
 
@@ -338,7 +339,7 @@ def refuse_loader_env(r: FileResult, allowed: list[str]) -> None:
     (``PYTHONPATH`` + a sitecustomize, ``LD_PRELOAD``: code run as the server's user)."""
     for lm in r.models:
         for name in lm.manifest.spec.env:
-            if _matches(name.upper(), LOADER_ENV) and not _matches(name, allowed):
+            if env_matches(name.upper(), LOADER_ENV) and not env_matches(name, allowed):
                 r.errors.append(ManifestError(
                     r.file, f"{name} changes how the worker loads code and is refused; the "
                     "server's allow_worker_env setting can allow it", lm.document,

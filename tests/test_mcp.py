@@ -1,0 +1,148 @@
+"""MCP tool servers behind the gateway: real stdio servers written with the SDK's
+MCPServer (two tools; one that dies after its first call; one that hangs), driven through
+the /v1/mcp routes and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from fleet import Fleet, manifest, wait_for
+
+CALC = '''
+from mcp.server.mcpserver import MCPServer
+app = MCPServer("calc")
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+@app.tool()
+def echo(text: str) -> str:
+    """Echo text back."""
+    return text
+
+app.run()
+'''
+CRASHER = '''
+import os
+from mcp.server.mcpserver import MCPServer
+app = MCPServer("crasher")
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    """Add, then die."""
+    os._exit(1)
+
+app.run()
+'''
+HANGER = '''
+import time
+from mcp.server.mcpserver import MCPServer
+app = MCPServer("hanger")
+
+@app.tool()
+def wait() -> str:
+    """Never answers."""
+    time.sleep(3600)
+    return "done"
+
+app.run()
+'''
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mcp")
+    servers = {}
+    for name, code in (("calc", CALC), ("crasher", CRASHER), ("hanger", HANGER)):
+        (root / f"{name}.py").write_text(code)
+        servers[name] = {"command": sys.executable, "args": [str(root / f"{name}.py")]}
+    servers["bad"] = {"command": "/no/such/binary"}
+    servers["sneaky"] = {"command": sys.executable, "args": ["-c", "pass"],
+                         "env": {"LD_PRELOAD": "/tmp/x.so"}}
+    (root / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
+    f = Fleet(root, env={"MLXFLEET_MCP_CONFIG": str(root / "mcp.json"),
+                         "MLXFLEET_MCP_CALL_TIMEOUT": "3"})
+    f.write("tiny.yaml", manifest("tiny", preload=False))
+    f.start()
+    assert wait_for(lambda: state(f, "calc") == "ready" and state(f, "crasher") == "ready"
+                    and state(f, "hanger") == "ready", 60), f.logs()
+    yield f
+    f.stop()
+
+
+def status(f: Fleet) -> dict:
+    return {s["name"]: s for s in httpx.get(f.url + "/v1/mcp/status").json()["servers"]}
+
+
+def state(f: Fleet, name: str) -> str:
+    return status(f)[name]["state"]
+
+
+def execute(f: Fleet, **body) -> httpx.Response:
+    return httpx.post(f.url + "/v1/mcp/execute", json=body, timeout=30)
+
+
+def test_status_and_tools_in_openai_format(fleet):
+    s = status(fleet)
+    assert s["calc"]["tools"] == 2 and s["calc"]["transport"] == "stdio"
+    assert s["bad"]["state"] == "invalid" and "/no/such/binary" in s["bad"]["last_error"]
+    assert s["sneaky"]["state"] == "invalid" and "LD_PRELOAD" in s["sneaky"]["last_error"]
+    tools = httpx.get(fleet.url + "/v1/mcp/tools").json()["data"]
+    names = {t["function"]["name"] for t in tools}
+    # add exists on two servers: only there is the name made unique
+    assert {"calc__add", "crasher__add", "echo", "wait"} <= names
+    (echo,) = [t for t in tools if t["function"]["name"] == "echo"]
+    assert echo["type"] == "function" and echo["function"]["parameters"]["required"] == ["text"]
+
+
+def test_execute_and_its_errors(fleet):
+    r = execute(fleet, server="calc", tool="add", arguments={"a": 2, "b": 3})
+    assert r.status_code == 200 and r.json()["text"] == "5" and not r.json()["is_error"]
+    r = execute(fleet, server="calc", tool="add", arguments={"a": "two"})
+    assert r.status_code == 400 and "arguments" in r.json()["error"]["message"]
+    r = execute(fleet, server="calc", tool="nope", arguments={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "mcp_tool_not_found"
+    r = execute(fleet, server="nope", tool="add", arguments={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "mcp_server_not_found"
+    r = execute(fleet, server="hanger", tool="wait", arguments={})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "mcp_timeout"
+    assert execute(fleet, server="calc", tool="echo",
+                   arguments={"text": "still here"}).json()["text"] == "still here"
+
+
+def test_a_server_that_dies_is_restarted(fleet):
+    before = status(fleet)["crasher"]["restarts"]
+    r = execute(fleet, server="crasher", tool="add", arguments={"a": 1, "b": 1})
+    assert r.status_code in (502, 503) and r.json()["error"]["message"]
+    assert wait_for(lambda: status(fleet)["crasher"]["restarts"] > before
+                    and state(fleet, "crasher") == "ready", 60)
+
+
+def test_cli_lists_and_calls(fleet):
+    env = {"MLXFLEET_SERVER": fleet.url}
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "mlxfleet", "mcp", "list"], text=True,
+                         capture_output=True, env={**os.environ, **env}, timeout=60)
+    assert out.returncode == 0 and "calc" in out.stdout and "echo" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "mlxfleet", "mcp", "call", "calc", "add",
+                          '{"a": 20, "b": 22}'], text=True, capture_output=True,
+                         env={**os.environ, **env}, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "42"
+
+
+def test_no_orphans_when_the_server_stops(tmp_path, fleet):
+    import psutil
+
+    kids = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True)
+            if "calc.py" in " ".join(p.cmdline())]
+    assert kids
+    fleet.stop()
+    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                    for p in kids), 20)
