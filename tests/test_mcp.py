@@ -111,7 +111,7 @@ def test_execute_and_its_errors(fleet):
     r = execute(fleet, server="nope", tool="add", arguments={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "mcp_server_not_found"
     r = execute(fleet, server="hanger", tool="wait", arguments={})
-    assert r.status_code == 504 and r.json()["error"]["code"] == "mcp_timeout"
+    assert r.status_code == 504 and r.json()["error"]["code"] == "mcp_timeout", r.text
     assert execute(fleet, server="calc", tool="echo",
                    arguments={"text": "still here"}).json()["text"] == "still here"
 

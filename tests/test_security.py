@@ -58,6 +58,9 @@ ROUTES = [
     ("GET", "/api/tags", None),
     ("GET", "/api/ps", None),
     ("POST", "/api/show", {"model": "tiny"}),
+    ("GET", "/v1/mcp/status", None),
+    ("GET", "/v1/mcp/tools", None),
+    ("POST", "/v1/mcp/execute", {"server": "x", "tool": "y", "arguments": {}}),
 ]
 
 

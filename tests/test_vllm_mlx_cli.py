@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -110,8 +111,18 @@ def test_parser_cache_sampling_and_embedding_flags(tmp_path):
         assert len(v) == 64 and abs(sum(x * x for x in v) - 1) < 1e-4  # normalized
 
 
-def test_mcp_config_fails_clearly(tmp_path):
+def test_mcp_config_starts_its_servers_and_a_bad_file_is_a_clear_error(tmp_path):
+    (tmp_path / "calc.py").write_text(
+        "from mcp.server.mcpserver import MCPServer\napp = MCPServer('calc')\n"
+        "@app.tool()\ndef add(a: int, b: int) -> int:\n    return a + b\napp.run()\n")
+    cfg = tmp_path / "mcp.json"
+    cfg.write_text(json.dumps({"mcpServers": {"calc": {
+        "command": sys.executable, "args": [str(tmp_path / "calc.py")]}}}))
+    with serve(tmp_path, "builtin:tiny", "--continuous-batching", "--mcp-config",
+               str(cfg)) as (_, url):
+        assert wait_for(lambda: httpx.get(url + "/v1/mcp/status").json()["servers"][0]
+                        ["state"] == "ready", 60)
     r = subprocess.run([sys.executable, "-m", "mlxfleet", "serve", "builtin:tiny",
-                        "--mcp-config", str(tmp_path / "mcp.json"), "--port",
+                        "--mcp-config", str(tmp_path / "missing.json"), "--port",
                         str(free_port())], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "MCP" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "MCP config" in r.stderr and "Traceback" not in r.stderr

@@ -37,6 +37,10 @@ DEFAULT_COMMANDS = ("npx", "uvx", "uv", "node", "deno", "bun", "python", "python
                     "docker", sys.executable)
 
 
+#: A server that takes longer than this to list its tools is restarted.
+LIVENESS_TIMEOUT = 20.0
+
+
 class MCPConfigError(ValueError):
     pass
 
@@ -142,9 +146,10 @@ class MCPServer:
                     self._client, self.state, self.error = client, "ready", None
                     log.info("MCP server %s: ready, %d tools", self.name, len(self.tools))
                     delay = 0.5
-                    while True:  # a server that stops answering is reconnected
-                        await asyncio.sleep(2)
-                        await asyncio.wait_for(client.send_ping(), 10)
+                    while True:  # a server that stops answering is reconnected (listing
+                        await asyncio.sleep(5)  # tools: the protocol has no ping any more)
+                        self.tools = list((await asyncio.wait_for(client.list_tools(),
+                                                                  LIVENESS_TIMEOUT)).tools)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - any failure: back off, reconnect
@@ -163,12 +168,15 @@ class MCPServer:
                            + (f": {self.error}" if self.error else ""),
                            type="service_unavailable", code="mcp_unavailable",
                            headers={"Retry-After": "2"})
+        t0 = time.monotonic()
         try:
             return await asyncio.wait_for(self._client.call_tool(tool, arguments), timeout)
-        except asyncio.TimeoutError:
-            raise APIError(504, f"MCP tool '{self.name}/{tool}' did not answer within "
-                           f"{timeout:g}s.", type="timeout", code="mcp_timeout") from None
-        except Exception as e:  # noqa: BLE001 - the server broke mid-call
+        except Exception as e:  # noqa: BLE001 - a timeout, or the server broke mid-call
+            # Cancelling a call can surface as "connection closed" from the SDK: what
+            # the client sees is the deadline either way.
+            if isinstance(e, TimeoutError) or time.monotonic() - t0 >= timeout * 0.95:
+                raise APIError(504, f"MCP tool '{self.name}/{tool}' did not answer within "
+                               f"{timeout:g}s.", type="timeout", code="mcp_timeout") from None
             raise APIError(502, f"MCP server '{self.name}' failed: {_message(e)}",
                            type="server_error", code="mcp_failed") from None
 
