@@ -146,3 +146,31 @@ def test_no_orphans_when_the_server_stops(tmp_path, fleet):
     fleet.stop()
     assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                     for p in kids), 20)
+
+
+def test_responses_mcp_tool_runs_the_models_calls_on_the_server(fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    tool = {"type": "mcp", "server_label": "calc", "allowed_tools": ["add"],
+            "require_approval": "never"}
+    r = client.responses.create(
+        model="tiny", input="add two numbers", tools=[tool], max_output_tokens=40,
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "add"})
+    kinds = [o.type for o in r.output]
+    assert kinds[0] == "mcp_list_tools" and "mcp_call" in kinds, kinds
+    listed = r.output[0]
+    assert [t.name for t in listed.tools] == ["add"] and listed.server_label == "calc"
+    call = next(o for o in r.output if o.type == "mcp_call")
+    args = json.loads(call.arguments)
+    assert call.output == str(args["a"] + args["b"]) and call.error is None
+    # Approval first, unless "never": the call is returned, not run.
+    r = client.responses.create(
+        model="tiny", input="add", max_output_tokens=40,
+        tools=[{**tool, "require_approval": "always"}],
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "add"})
+    assert [o.type for o in r.output] == ["mcp_list_tools", "mcp_approval_request"]
+    for bad in ({**tool, "server_label": "nope"},
+                {**tool, "server_url": "https://evil.example/mcp"}):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model="tiny", input="x", tools=[bad])

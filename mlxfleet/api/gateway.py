@@ -27,7 +27,7 @@ from ..wire import (
     stream_error,
     streaming_response,
 )
-from .mcp import register_mcp
+from .mcp import register_mcp, respond_with_mcp
 from .metrics import Metrics, tag_model
 from .ollama import load_or_unload, register_ollama
 from .responses import ResponseStore, register_responses
@@ -106,6 +106,12 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
             sent, pending = store.prepare(body)
             if sent is not body:
                 raw = json.dumps(sent).encode()
+            if any(isinstance(t, dict) and t.get("type") == "mcp"
+                   for t in sent.get("tools") or []):
+                resp = await respond_with_mcp(mcp, sent, lambda b: _ask_worker(
+                    supervisor, model, deadline, keep_alive, b, headers))
+                store.put(resp, pending)
+                return resp
 
         def relayed(chunks):
             return store.capture_stream(chunks, pending) if pending else chunks
@@ -156,6 +162,27 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     register_responses(app, store)
     register_mcp(app, mcp)
     return app
+
+
+async def _ask_worker(supervisor: Any, model: str, deadline: float, keep_alive: Any,
+                      body: dict, headers: dict) -> dict:
+    """One non-streaming /v1/responses round on the model's worker (the MCP tool loop)."""
+    async with supervisor.acquire(model, deadline, keep_alive) as lease:
+        upstream = await lease.send("POST", "/v1/responses", json.dumps(body).encode(),
+                                    headers)
+        try:
+            content = await asyncio.wait_for(upstream.aread(), time_left(deadline))
+        except asyncio.TimeoutError:
+            raise timeout_error(lease.name) from None
+        finally:
+            await upstream.aclose()
+    data = json.loads(content)
+    if upstream.status_code != 200:
+        err = data.get("error") or {}
+        raise APIError(upstream.status_code, err.get("message", "the model failed"),
+                       type=err.get("type") or "server_error", param=err.get("param"),
+                       code=err.get("code"))
+    return data
 
 
 def _keep_alive(value: Any) -> float:

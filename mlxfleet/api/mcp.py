@@ -296,3 +296,100 @@ def register_mcp(app: Quart, manager: Optional[MCPManager]) -> None:
             raise APIError(400, "Give 'server' and 'tool' (strings) and 'arguments'.",
                            code="missing_required_parameter")
         return await need().execute(server, tool, body.get("arguments") or {})
+
+
+#: Rounds of model -> tool calls -> model a Responses request with MCP tools may take.
+MAX_TOOL_ROUNDS = 8
+
+
+def _item_id(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+async def respond_with_mcp(manager: Optional[MCPManager], body: dict[str, Any],
+                           ask: Any) -> dict[str, Any]:
+    """A Responses request whose ``tools`` include ``{"type": "mcp", ...}``: the server
+    lists those tools, runs the model's calls itself and feeds the results back, until the
+    model answers (at most MAX_TOOL_ROUNDS). ``ask(body) -> response dict`` sends one
+    round to the model. Calls needing approval come back as ``mcp_approval_request``
+    items, as OpenAI documents."""
+    if body.get("stream"):
+        raise APIError(400, "Streaming with MCP tools is not supported yet; send "
+                       "stream: false.", param="stream", code="unsupported_parameter")
+    if manager is None:
+        raise APIError(400, "This server has no MCP servers (start it with --mcp-config).",
+                       param="tools", code="mcp_not_configured")
+    tools, routes, listed = [], {}, []
+    for i, t in enumerate(body.get("tools") or []):
+        if not isinstance(t, dict) or t.get("type") != "mcp":
+            tools.append(t)
+            continue
+        label = t.get("server_label")
+        if t.get("server_url"):
+            raise APIError(400, "MCP servers given by server_url are refused: list the "
+                           "server in the gateway's --mcp-config and name it by "
+                           "server_label.", param=f"tools[{i}].server_url",
+                           code="mcp_server_url_refused")
+        s = manager.servers.get(label)
+        if s is None:
+            raise APIError(400, f"No MCP server labelled '{label}' is configured.",
+                           param=f"tools[{i}].server_label", code="mcp_server_not_found")
+        if s.state != "ready":
+            raise APIError(503, f"MCP server '{label}' is {s.state}.",
+                           type="service_unavailable", code="mcp_unavailable",
+                           headers={"Retry-After": "2"})
+        allowed = t.get("allowed_tools")
+        names = allowed.get("tool_names") if isinstance(allowed, dict) else allowed
+        chosen = [x for x in s.tools if names is None or x.name in names]
+        listed.append({"type": "mcp_list_tools", "id": _item_id("mcpl"), "server_label": label,
+                       "tools": [{"name": x.name, "description": x.description or "",
+                                  "input_schema": _schema(x)} for x in chosen]})
+        approval = t.get("require_approval", "always")
+        for x in chosen:
+            routes[x.name] = (label, approval != "never")
+            tools.append({"type": "function", "name": x.name,
+                          "description": x.description or "", "parameters": _schema(x)})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        choice = {"type": "function", "name": choice.get("name")}
+    inp = body.get("input")
+    history = [{"type": "message", "role": "user", "content": inp}] \
+        if isinstance(inp, str) else list(inp or [])
+    output: list[dict[str, Any]] = [*listed]
+    resp: dict[str, Any] = {}
+    for _ in range(MAX_TOOL_ROUNDS):
+        resp = await ask({**body, "tools": tools, "tool_choice": choice, "input": history,
+                          "stream": False})
+        calls = [o for o in resp.get("output", []) if o.get("type") == "function_call"]
+        mine = [c for c in calls if c.get("name") in routes]
+        if not mine:
+            break
+        if any(routes[c["name"]][1] for c in mine):  # approval first, as OpenAI does
+            output += [{"type": "mcp_approval_request", "id": _item_id("mcpr"),
+                        "server_label": routes[c["name"]][0], "name": c["name"],
+                        "arguments": c.get("arguments", "{}")} for c in mine]
+            resp["output"] = []
+            break
+        for c in mine:
+            label = routes[c["name"]][0]
+            item = {"type": "mcp_call", "id": _item_id("mcp"), "server_label": label,
+                    "name": c["name"], "arguments": c.get("arguments", "{}"),
+                    "output": None, "error": None}
+            try:
+                r = await manager.execute(label, c["name"], json.loads(item["arguments"]))
+                item["output"] = r["text"]
+                if r["is_error"]:
+                    item["error"] = r["text"]
+            except (APIError, ValueError) as e:
+                item["error"] = getattr(e, "message", str(e))
+            output.append(item)
+            history += [c, {"type": "function_call_output", "call_id": c.get("call_id"),
+                            "output": item["output"] or item["error"] or ""}]
+        choice = "auto"  # a forced call is forced once
+    resp["output"] = output + [o for o in resp.get("output", [])
+                               if not (o.get("type") == "function_call"
+                                       and o.get("name") in routes)]
+    resp["tools"] = body.get("tools") or []
+    return resp
