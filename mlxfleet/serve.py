@@ -60,9 +60,9 @@ async def serve(settings: ServerSettings) -> None:
 
 def _mcp_manager(settings: ServerSettings):
     """The MCP servers of ``--mcp-config``, not started yet (None without a config)."""
-    if settings.mcp_config is None:
+    if settings.mcp_config is None and settings.mcp is None:
         return None
-    from .api.mcp import MCPConfigError, MCPManager, load_config
+    from .api.mcp import MCPConfigError, MCPManager, load_config, parse_config
 
     try:
         import mcp  # noqa: F401
@@ -70,7 +70,8 @@ def _mcp_manager(settings: ServerSettings):
         raise SystemExit("error: --mcp-config needs the MCP SDK: pip install "
                          "'mlxfleet[mcp]'") from None
     try:
-        servers = load_config(settings.mcp_config)
+        servers = load_config(settings.mcp_config) if settings.mcp_config is not None \
+            else parse_config(settings.mcp)
     except MCPConfigError as e:
         raise SystemExit(f"error: {e}") from None
     for s in servers.values():

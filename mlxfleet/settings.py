@@ -105,6 +105,8 @@ class ServerSettings(BaseSettings):
     stream_interval: Optional[int] = Field(None, ge=1)
     mcp_config: Optional[Path] = Field(None, description="MCP servers to start with the "
                                        "gateway (the mcpServers JSON of desktop assistants)")
+    mcp: Optional[dict[str, Any]] = Field(None, description="MCP servers inline (the same "
+                                          "JSON as an --mcp-config file), in the settings file")
     mcp_call_timeout: float = Field(60.0, gt=0, description="seconds an MCP tool call may take")
     mcp_max_result_kb: int = Field(1024, gt=0, description="larger MCP tool results are cut")
     use_paged_cache: Optional[bool] = Field(None, description="the block prefix cache for "

@@ -67,7 +67,7 @@ def fleet(tmp_path_factory):
                          "env": {"LD_PRELOAD": "/tmp/x.so"}}
     (root / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
     f = Fleet(root, env={"MLXFLEET_MCP_CONFIG": str(root / "mcp.json"),
-                         "MLXFLEET_MCP_CALL_TIMEOUT": "3"})
+                         "MLXFLEET_MCP_CALL_TIMEOUT": "3", "MLXFLEET_MCP_MAX_RESULT_KB": "1"})
     f.write("tiny.yaml", manifest("tiny", preload=False))
     f.start()
     assert wait_for(lambda: state(f, "calc") == "ready" and state(f, "crasher") == "ready"
@@ -114,6 +114,8 @@ def test_execute_and_its_errors(fleet):
     assert r.status_code == 504 and r.json()["error"]["code"] == "mcp_timeout", r.text
     assert execute(fleet, server="calc", tool="echo",
                    arguments={"text": "still here"}).json()["text"] == "still here"
+    big = execute(fleet, server="calc", tool="echo", arguments={"text": "x" * 5000}).json()
+    assert big["truncated"] and len(big["text"]) == 1024  # MLXFLEET_MCP_MAX_RESULT_KB=1
 
 
 def test_a_server_that_dies_is_restarted(fleet):
@@ -135,17 +137,6 @@ def test_cli_lists_and_calls(fleet):
                           '{"a": 20, "b": 22}'], text=True, capture_output=True,
                          env={**os.environ, **env}, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "42"
-
-
-def test_no_orphans_when_the_server_stops(tmp_path, fleet):
-    import psutil
-
-    kids = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True)
-            if "calc.py" in " ".join(p.cmdline())]
-    assert kids
-    fleet.stop()
-    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                                    for p in kids), 20)
 
 
 def test_responses_mcp_tool_runs_the_models_calls_on_the_server(fleet):
@@ -174,3 +165,31 @@ def test_responses_mcp_tool_runs_the_models_calls_on_the_server(fleet):
                 {**tool, "server_url": "https://evil.example/mcp"}):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model="tiny", input="x", tools=[bad])
+
+
+def test_the_settings_files_mcp_key_configures_servers_too(tmp_path):
+    import yaml
+
+    from mlxfleet.serve import _mcp_manager
+    from mlxfleet.settings import load_settings
+
+    cfg = tmp_path / "mlxfleet.yaml"
+    cfg.write_text(yaml.safe_dump({"mcp": {"mcpServers": {
+        "calc": {"command": sys.executable, "args": ["calc.py"]},
+        "shell": {"command": "sh", "args": ["-c", "echo hi"]}}}}))
+    m = _mcp_manager(load_settings(config_file=str(cfg), manifests_dir=str(tmp_path)))
+    assert set(m.servers) == {"calc", "shell"}
+    assert m.servers["calc"].state == "starting"  # (not started: no event loop here)
+    assert m.servers["shell"].state == "invalid" and "allowed" in m.servers["shell"].error
+
+
+def test_no_orphans_when_the_server_stops(tmp_path, fleet):
+    """Last in the file: it stops the module's server."""
+    import psutil
+
+    kids = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True)
+            if "calc.py" in " ".join(p.cmdline())]
+    assert kids
+    fleet.stop()
+    assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                    for p in kids), 20)

@@ -64,6 +64,12 @@ def load_config(path: Path) -> dict[str, ServerConfig]:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise MCPConfigError(f"cannot read MCP config {path}: {e}") from None
+    return parse_config(data, str(path))
+
+
+def parse_config(data: Any, path: str = "the mcp setting") -> dict[str, ServerConfig]:
+    """The servers of an MCP config already read (``--mcp-config`` or the settings file's
+    ``mcp`` key)."""
     servers = data.get("mcpServers") if isinstance(data, dict) else None
     if not isinstance(servers, dict):
         raise MCPConfigError(f"{path}: expected {{\"mcpServers\": {{NAME: {{...}}}}}}")
