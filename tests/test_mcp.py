@@ -183,6 +183,31 @@ def test_the_settings_files_mcp_key_configures_servers_too(tmp_path):
     assert m.servers["shell"].state == "invalid" and "allowed" in m.servers["shell"].error
 
 
+def test_a_streamable_http_server(tmp_path):
+    from conftest import free_port
+
+    port = free_port()
+    (tmp_path / "remote.py").write_text(
+        "from mcp.server.mcpserver import MCPServer\napp = MCPServer('remote')\n"
+        "@app.tool()\ndef shout(text: str) -> str:\n    return text.upper()\n"
+        f"app.run(transport='streamable-http', port={port})\n")
+    server = subprocess.Popen([sys.executable, str(tmp_path / "remote.py")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {
+        "remote": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
+    f = Fleet(tmp_path, env={"MLXFLEET_MCP_CONFIG": str(tmp_path / "mcp.json")})
+    try:
+        f.start()
+        assert wait_for(lambda: state(f, "remote") == "ready", 60), status(f)
+        assert status(f)["remote"]["transport"] == "http"
+        r = execute(f, server="remote", tool="shout", arguments={"text": "hi"})
+        assert r.status_code == 200 and r.json()["text"] == "HI"
+    finally:
+        f.stop()
+        server.terminate()
+        server.wait(20)
+
+
 def test_no_orphans_when_the_server_stops(tmp_path, fleet):
     """Last in the file: it stops the module's server."""
     import psutil
