@@ -202,6 +202,7 @@ def test_killing_the_supervisor_leaves_no_orphans(fleet):
     assert len(old) == 1
     fleet.start()
     fleet.wait_ready("alpha")
+    fleet.wait_ready("beta")
     new = list(fleet.run_dir.glob("mlxfleet-*"))
     assert len(new) == 1 and new != old
     assert len(fleet.sockets()) == 2
