@@ -143,7 +143,7 @@ async def test_rolling_replace_keeps_serving_until_the_new_worker_is_ready(fleet
 
 
 async def test_a_burst_of_edits_starts_one_worker_for_the_last_spec(tmp_path):
-    f = FakeFleet(tmp_path, spec_settle_ms=300)
+    f = FakeFleet(tmp_path, spec_settle_ms=1000)  # well above the gaps, even on a slow box
     try:
         rt, old = await _preloaded(f, "a")
         for i in range(10):  # saves 30 ms apart, as an editor's autosave would
