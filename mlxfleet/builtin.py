@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -32,7 +33,8 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_FORMAT = 1
 DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
 EMBED = "tiny-embed"  # a BERT-family encoder with random weights, for spec.task: embedding
-BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED]
+VLM = "tiny-vlm"  # a LLaVA vision-language model with random weights (needs mlx-vlm)
+BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED, VLM]
 CONTEXT_LENGTH = 2048
 VOCAB_SIZE = 2048
 
@@ -109,7 +111,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int):
+def train_tokenizer(corpus: list[str], vocab_size: int, specials: Optional[list[str]] = None):
     """A byte-level BPE (GPT-2/Qwen style) trained on ``corpus``, with our special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -118,7 +120,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials or SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -268,6 +270,10 @@ def write_builtin(name: str, out_dir: Path) -> Path:
         return out_dir
     if name == EMBED:
         return write_encoder(out_dir, name)
+    if name == VLM:
+        from .builtin_vlm import write_vlm
+
+        return write_vlm(out_dir, name)
     if name not in BUILTIN_SIZES:
         raise ValueError(f"unknown builtin model {name!r}; choose one of: "
                          f"{', '.join(BUILTIN_NAMES)}")

@@ -58,8 +58,11 @@ def _add_worker(sub) -> None:
     p.add_argument("--name", help="model name clients send as `model` (default: from source)")
     p.add_argument("--bind", default="127.0.0.1:8001",
                    help="unix:PATH or HOST:PORT (default 127.0.0.1:8001)")
-    p.add_argument("--task", choices=["generate", "embedding"], default=None,
-                   help="embedding: serve /v1/embeddings with an encoder model")
+    p.add_argument("--task", choices=["generate", "embedding", "vision"], default=None,
+                   help="embedding: serve /v1/embeddings with an encoder model; vision: a "
+                   "vision-language model (found from the checkpoint when unset)")
+    p.add_argument("--allow-image-urls", action="store_true", default=None,
+                   help="fetch http(s) image URLs sent by clients (off: SSRF risk)")
     p.add_argument("--trust-remote-code", action="store_true", default=None)
     p.add_argument("--cache-mb", type=int, default=None,
                    help="KV memory budget in MiB: running sequences plus retained prompt "
@@ -86,7 +89,7 @@ def worker_config_from_args(args):
             text = Path(text[1:]).read_text()
         base = json.loads(text)
     given = {f[2:].replace("-", "_") for f, _, _ in _WORKER_FLAGS} | {
-        "source", "name", "task", "trust_remote_code", "paged_cache"}
+        "source", "name", "task", "trust_remote_code", "paged_cache", "allow_image_urls"}
     base.update({k: getattr(args, k) for k in given if getattr(args, k) is not None})
     if args.cache_mb is not None or args.cache_percent is not None:
         base["cache_bytes"] = cache_budget(args.cache_mb, args.cache_percent)

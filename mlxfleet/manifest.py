@@ -135,8 +135,10 @@ class ParsersSpec(_Spec):
 
 class ModelSpec(_Spec):
     source: str = Field(min_length=1, description="HF repo id, local path, or builtin:NAME")
-    task: Literal["generate", "embedding"] = Field(
-        default="generate", description="embedding: serve /v1/embeddings (BERT-family)")
+    task: Literal["generate", "embedding", "vision"] = Field(
+        default="generate", description="embedding: serve /v1/embeddings (BERT-family); "
+        "vision: a vision-language model through mlx-vlm (found from the checkpoint's "
+        "config when left at generate)")
     revision: Optional[str] = None
     aliases: list[str] = Field(default_factory=list)
     keep_alive: Optional[Duration] = None

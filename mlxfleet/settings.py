@@ -90,6 +90,11 @@ class ServerSettings(BaseSettings):
                                  "kept")
     body_timeout: float = Field(60.0, gt=0, description="seconds a request body may take to "
                                 "arrive (408 after)")
+    allow_image_urls: bool = Field(False, description="let vision models fetch http(s) "
+                                   "image URLs from requests (an SSRF risk: off by default)")
+    max_image_mb: int = Field(20, gt=0, description="largest image in a request")
+    max_image_pixels: int = Field(50_000_000, gt=0, description="largest image, in pixels")
+    max_images: int = Field(16, ge=1, description="images in one request")
     enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")
     log_json: bool = Field(False, description="JSON log lines")
     # Per-model defaults for manifests that set none (unset: the worker's own defaults).

@@ -41,5 +41,9 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
             server, "enable_auto_tool_choice", None),
         "drain_timeout": getattr(server, "drain_timeout", None),
         "wired_limit_bytes": getattr(server, "wired_limit_bytes", lambda: None)(),
+        "allow_image_urls": getattr(server, "allow_image_urls", None),
+        "max_image_bytes": (server.max_image_mb << 20) if server is not None else None,
+        "max_image_pixels": getattr(server, "max_image_pixels", None),
+        "max_images": getattr(server, "max_images", None),
     }
     return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})

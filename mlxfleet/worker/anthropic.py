@@ -16,9 +16,10 @@ from quart import Quart
 
 from ..wire import APIError, parse_model
 from .app import Worker
+from .images import ImageRef, anthropic_image
 from .parsers import call_id
 from .pipeline import ChoiceResult, Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
-from .prompts import GenRequest, chat_prompt
+from .prompts import GenRequest
 
 
 class _Block(BaseModel):
@@ -79,8 +80,10 @@ def _text(content: Any, sep: str = "") -> str:
     return sep.join(parts)
 
 
-def _messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as chat-template messages (system blocks one per paragraph)."""
+def _messages(req: MessagesRequest | CountTokensRequest, images: list[ImageRef]
+              ) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages (system blocks one per paragraph);
+    image blocks become image parts, their sources appended to ``images``."""
     msgs: list[dict[str, Any]] = []
     if req.system:
         msgs.append({"role": "system", "content": _text(req.system, "\n\n")})
@@ -88,13 +91,17 @@ def _messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]
         if isinstance(m.content, str):
             msgs.append({"role": m.role, "content": m.content})
             continue
-        text, calls, results = [], [], []
+        text, calls, results, parts = [], [], [], []
         for j, b in enumerate(m.content):
             d = b.model_dump()
             kind = d["type"]
             where = f"messages[{i}].content[{j}]"
             if kind == "text":
                 text.append(str(d.get("text", "")))
+                parts.append({"type": "text", "text": text[-1]})
+            elif kind == "image" and m.role == "user":
+                images.append(anthropic_image(d, where))
+                parts.append({"type": "image"})
             elif kind == "image" or kind == "document":
                 raise APIError(400, f"This model does not accept {kind} content.",
                                param=where, code="unsupported_content")
@@ -115,7 +122,9 @@ def _messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]
                                f"{m.role} message.", param=where, code="invalid_value")
         msgs.extend(results)
         if text or calls or not results:
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            has_image = any(p["type"] == "image" for p in parts)
+            msg: dict[str, Any] = {"role": m.role,
+                                   "content": parts if has_image else "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             msgs.append(msg)
@@ -148,7 +157,8 @@ def _tool_choice(tc: Optional[dict[str, Any]]) -> Any:
 
 def messages_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(MessagesRequest, body)
-    return GenRequest(messages=_messages(req), tools=_tools(req),
+    images: list[ImageRef] = []
+    return GenRequest(messages=_messages(req, images), images=images, tools=_tools(req),
                       tool_choice=_tool_choice(req.tool_choice), max_tokens=req.max_tokens,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       stop=list(req.stop_sequences or []), stream=req.stream)
@@ -249,8 +259,9 @@ def register_anthropic(app: Quart, worker: Worker) -> None:
         from ..wire import parse_json_body
 
         req = parse_model(CountTokensRequest, parse_json_body(await request.get_data()))
-        chat = GenRequest(messages=_messages(req), tools=_tools(req))
-        return {"input_tokens": len(chat_prompt(worker.model_info(), chat))}
+        images: list[ImageRef] = []
+        chat = GenRequest(messages=_messages(req, images), images=images, tools=_tools(req))
+        return {"input_tokens": await worker.count_tokens(chat)}
 
 
 def _usage(pipe: Pipeline) -> dict[str, int]:

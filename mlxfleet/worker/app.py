@@ -29,6 +29,8 @@ from ..wire import (
     streaming_response,
 )
 from .engine import Engine
+from .images import ImageLimits, vision_prompt
+from .images import load as load_images
 from .pipeline import Pipeline
 from .prompts import (
     GenRequest,
@@ -137,9 +139,18 @@ def _text_bytes(content: Any) -> int:
     return 0
 
 
-def _prepare(info: ModelInfo, req: GenRequest):
-    """Prompt tokens, output plan (parsers, grammar) and sampling parameters; no MLX."""
-    if req.messages is not None:
+def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):
+    """Prompt tokens, output plan (parsers, grammar), sampling parameters and, with
+    images, the ``VisionPrompt``; no MLX on this side."""
+    vision = None
+    if images:
+        tok = info.tokenizer
+        vision = vision_prompt(info.vision.processor, chat_prompt(info, req, tokenize=False),
+                               images, info.vision.image_token,
+                               getattr(tok, "bos_token_id", None))
+        prompts = [vision.ids]
+        plan = output_plan(info, req, prompts[0])
+    elif req.messages is not None:
         prompts = [chat_prompt(info, req)]
         plan = output_plan(info, req, prompts[0])
     else:
@@ -148,7 +159,7 @@ def _prepare(info: ModelInfo, req: GenRequest):
             len(prompts) == 1 else OutputPlan()
     params = sampling_params(info, req, prompts)
     params.grammar = plan.grammar
-    return prompts, plan, params
+    return prompts, plan, params, vision
 
 
 class Worker:
@@ -161,6 +172,9 @@ class Worker:
         self.inflight = 0  # sequences admitted and not finished (n x prompts per request)
         self.calls: dict[str, Pipeline] = {}
         self._info: Optional[ModelInfo] = None
+        c = self.config
+        self.image_limits = ImageLimits(c.max_image_bytes, c.max_image_pixels, c.max_images,
+                                        c.allow_image_urls, c.image_fetch_timeout)
 
     def model_info(self) -> ModelInfo:
         e = self.engine
@@ -172,7 +186,7 @@ class Worker:
                                code="engine_unavailable", headers={"Retry-After": "5"})
             if self._info is None:
                 self._info = ModelInfo(self.name, e.tokenizer, e.context_length,
-                                       e.vocab_size, self.config)
+                                       e.vocab_size, self.config, e.vision)
             return self._info
         if e.state in ("loading", "pending"):
             raise APIError(503, f"Model '{self.name}' is still loading; retry shortly.",
@@ -222,17 +236,38 @@ class Worker:
     async def _submit(self, req: GenRequest) -> Pipeline:
         info = self.model_info()
         text_bytes = self._check_size(info, req)
-        if text_bytes > INLINE_PREPARE_BYTES:
+        if req.images:
+            images = await self._images(info, req)
+            # The processor resizes the images and tokenizes: milliseconds, off the loop.
+            prompts, plan, params, vision = await asyncio.to_thread(_prepare, info, req,
+                                                                    images)
+        elif text_bytes > INLINE_PREPARE_BYTES:
             # Templating and tokenizing a long text takes a while: off the event loop, so
             # the neighbours' streams keep flowing. (Short ones stay inline: a thread hop
             # costs more than they do.)
-            prompts, plan, params = await asyncio.to_thread(_prepare, info, req)
+            prompts, plan, params, vision = await asyncio.to_thread(_prepare, info, req)
         else:
-            prompts, plan, params = _prepare(info, req)
-        gen = self.engine.submit(prompts, params, req.n)
+            prompts, plan, params, vision = _prepare(info, req)
+        gen = self.engine.submit(prompts, params, req.n, vision)
         return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
                         not req.parallel_tool_calls)
+
+    async def count_tokens(self, req: GenRequest) -> int:
+        """Prompt tokens of a chat request, images included (as the model sees them)."""
+        info = self.model_info()
+        if not req.images:
+            return len(chat_prompt(info, req))
+        images = await self._images(info, req)
+        prompts, *_ = await asyncio.to_thread(_prepare, info, req, images)
+        return len(prompts[0])
+
+    async def _images(self, info: ModelInfo, req: GenRequest) -> list:
+        if info.vision is None:
+            raise APIError(400, f"Model '{self.name}' does not accept images: it is not a "
+                           "vision model.", param=req.images[0].param,
+                           code="unsupported_content")
+        return await load_images(req.images, self.image_limits)
 
     def _check_size(self, info: ModelInfo, req: GenRequest) -> int:
         """Cheap refusals before any tokenizing: more sequences than the batch holds, or a

@@ -21,7 +21,7 @@ class WorkerConfig(BaseModel):
     name: str = Field(min_length=1, description="the model name clients send as `model`")
     source: str = Field(min_length=1, description="builtin:NAME, a directory or a HF repo id")
     revision: Optional[str] = None
-    task: Literal["generate", "embedding"] = "generate"
+    task: Literal["generate", "embedding", "vision"] = "generate"
     trust_remote_code: bool = False
 
     max_concurrency: int = Field(16, ge=1, le=1024,
@@ -60,6 +60,15 @@ class WorkerConfig(BaseModel):
     wired_limit_bytes: Optional[int] = Field(None, gt=0, description="macOS: Metal wired "
                                              "memory limit (mx.set_wired_limit); unset: "
                                              "the system's")
+
+    allow_image_urls: bool = Field(False, description="fetch http(s) image URLs sent by "
+                                   "clients (off: a server that fetches what clients name "
+                                   "can be turned against the network it sits in)")
+    max_image_bytes: int = Field(20 << 20, gt=0, description="largest image, encoded")
+    max_image_pixels: int = Field(50_000_000, gt=0, description="largest image, width x "
+                                  "height, checked before it is decoded")
+    max_images: int = Field(16, ge=1, description="images in one request")
+    image_fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an image URL")
 
     @model_validator(mode="after")
     def _parsers(self):

@@ -23,11 +23,12 @@ from typing import Any, Optional
 
 from .config import WorkerConfig
 from .decode import SequenceDecoder, special_token_ids
-from .generation import EngineError, EngineStats, Generation, TokenEvent
+from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
 from .model_facts import context_length, grammar_stats, kv_bytes_per_token, mlx_memory
 from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache
 from .sampling import Samplers, SamplingParams, logits_processors
+from .vision import is_vision_checkpoint
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -51,6 +52,7 @@ class _Seq:
     reserved: int  # KV bytes held for this sequence while it runs
     decoder: SequenceDecoder
     processors: list = field(default_factory=list)  # its logits processors
+    key: Optional[list[int]] = None  # prompt-cache key of a prompt with images
 
     def finish_reason(self, reason: Optional[str]) -> Optional[str]:
         """mlx-lm's reason, except that a value the token budget forced closed (see
@@ -93,6 +95,7 @@ class Engine:
         self.heartbeat = time.monotonic()
         self.busy = False
         self.memory_limit: Optional[int] = None  # MLX's limit, set after the load
+        self.vision: Any = None  # a vision.VisionModel when the model reads images
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
 
     # ---- event-loop side -------------------------------------------------
@@ -121,8 +124,12 @@ class Engine:
         """The HTTP side is preparing (+1) or gave up on (-1) a request (see _coalesce)."""
         self.announced += delta
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Generation:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+               vision: Any = None) -> Generation:
+        """Queue a generation; ``vision`` (an ``images.VisionPrompt``) when the one prompt
+        holds images."""
         gen = Generation(prompts, params, n)
+        gen.vision = vision
         self._inbox.put(_Submit(gen))
         return gen
 
@@ -176,14 +183,24 @@ class Engine:
         t0 = time.monotonic()
         path = resolve_source(self.source, revision=self.config.revision)
         self.model_path = str(path)
-        model, tokenizer, config = load(
-            str(path), return_config=True,
-            tokenizer_config={"trust_remote_code": self.config.trust_remote_code},
-        )
+        trust = {"trust_remote_code": self.config.trust_remote_code}
+        if self.config.task == "vision" or is_vision_checkpoint(path):
+            from mlx_lm.utils import load_tokenizer
+
+            from .vision import VisionModel
+
+            self.vision = VisionModel(path, self.config.trust_remote_code)
+            model, config = self.vision.text, self.vision.config
+            tokenizer = load_tokenizer(path, trust, eos_token_ids=config.get("eos_token_id"))
+        else:
+            model, tokenizer, config = load(str(path), return_config=True,
+                                            tokenizer_config=trust)
         self._model = model
         self.tokenizer = tokenizer
         self.context_length = context_length(config, tokenizer)
-        self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
+        self.vocab_size = int(config.get("vocab_size")
+                              or (config.get("text_config") or {}).get("vocab_size")
+                              or len(tokenizer))
         self._stream = mx.default_stream(mx.default_device())
         # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
         # model. Bound it by the KV budget so the worker's memory stays predictable.
@@ -359,13 +376,17 @@ class Engine:
             prompts, caches, cached = [], [], []
             for pr in gen.prompts:
                 for _ in range(gen.n):
-                    cache, rest, kind = self.prompt_cache.fetch(list(pr))
+                    if gen.vision is not None:
+                        cache, rest, kind, done = self._fetch_vision(gen.vision)
+                    else:
+                        cache, rest, kind = self.prompt_cache.fetch(list(pr))
+                        done = len(pr) - len(rest)
                     prompts.append(rest)
                     caches.append(cache)
                     cached.append(list(pr[:len(pr) - len(rest)]))
                     if gen.cache_hit is None:
                         gen.cache_hit = kind or "miss"
-            gen.cached_tokens = len(cached[0])
+                        gen.cached_tokens = done
             count = gen.num_sequences
             procs = [logits_processors(p, self.tokenizer, self.vocab_size)
                      for _ in range(count)]
@@ -378,6 +399,9 @@ class Engine:
                 logits_processors=procs,
                 stop_sequences=[self._no_stop] * count if p.ignore_eos else None,
             )
+        except Rejected as e:
+            self._post([(gen, EngineError(f"The model cannot read this input: {e}", 400))])
+            return
         except Exception as e:  # noqa: BLE001 - bad parameters must not kill the engine
             log.warning("could not start a generation: %s", e)
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
@@ -385,12 +409,38 @@ class Engine:
         gen.uids = uids
         gen.phase, gen.started_at = "prefill", time.monotonic()
         skip = self._special if p.skip_special_tokens else frozenset()
+        key = gen.vision.key if gen.vision is not None else None
         for i, uid in enumerate(uids):
             self._seqs[uid] = _Seq(gen, i, need, SequenceDecoder(self.tokenizer, p.stop, skip),
-                                   procs[i])
+                                   procs[i], key)
         self._reserved += need * len(uids)
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
+
+    def _fetch_vision(self, vp) -> tuple[list[Any], list[int], Optional[str], int]:
+        """A prompt with images: the cached prefix, looked up by its key (image hashes in
+        place of image tokens). When the cache does not cover every image, the prompt is
+        read here from the first image on (vision tower and language model) and the batch
+        gets the filled cache plus the last token, like a cache hit. Returns (cache,
+        tokens for the batch, hit kind, prompt tokens served from the cache)."""
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        cache, rest, kind = self.prompt_cache.fetch(list(vp.key))
+        done = len(vp.ids) - len(rest)
+        if done >= vp.last:  # every image is in the cached prefix: only text is left
+            return cache, vp.ids[done:], kind, done
+        start = min(done, vp.first)
+        if cache is not None and start < done:
+            trim_prompt_cache(cache, done - start)
+        if cache is None or start == 0:
+            cache, start = make_prompt_cache(self._model), 0
+            kind = None if done == 0 else kind
+        try:
+            self.vision.prefill(vp.ids[start:-1], vp.features, cache,
+                                self.config.prefill_step_size)
+        except ValueError as e:  # mlx-vlm's word for input its architecture cannot take
+            raise Rejected(str(e)) from None
+        return cache, vp.ids[-1:], kind, start
 
     def _step(self) -> None:
         import mlx.core as mx
@@ -421,7 +471,10 @@ class Engine:
                 del self._seqs[r.uid]
                 self._reserved -= seq.reserved
                 if r.prompt_cache is not None:
-                    self.prompt_cache.store(r.all_tokens, r.prompt_cache,
+                    tokens = list(r.all_tokens)
+                    if seq.key is not None:  # images: stored under their hashes
+                        tokens[:len(seq.key)] = seq.key
+                    self.prompt_cache.store(tokens, r.prompt_cache,
                                             self.policy.budget - self._reserved)
             elif dec.finish_reason is not None:  # a stop string: free its slot now
                 stopped.append(r.uid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .sampling import SamplingParams
 
@@ -26,9 +26,15 @@ class TokenEvent:
 
 @dataclass
 class EngineError:
-    """Delivered instead of tokens when the engine could not run a request."""
+    """Delivered instead of tokens when the engine could not run a request: 503 when
+    the engine failed, 400 when the model refused this input (``Rejected``)."""
 
     message: str
+    status: int = 503
+
+
+class Rejected(ValueError):
+    """The model cannot take this input (e.g. more images than its architecture reads)."""
 
 
 class Generation:
@@ -49,6 +55,7 @@ class Generation:
         self.started_at: Optional[float] = None
         self.first_token_at: Optional[float] = None
         self.generated = 0
+        self.vision: Optional[Any] = None  # an images.VisionPrompt (set by Engine.submit)
 
     @property
     def num_sequences(self) -> int:

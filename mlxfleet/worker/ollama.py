@@ -22,6 +22,7 @@ from quart import Quart
 
 from ..wire import APIError, parse_model
 from .app import Worker
+from .images import ImageRef, from_base64
 from .parsers import call_id
 from .pipeline import Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
 from .prompts import GenRequest
@@ -92,10 +93,15 @@ class GenerateBody(_Common):
     context: Optional[list[StrictInt]] = None
 
 
-def _no_images(images: Optional[list[str]], where: str) -> None:
-    if images:
-        raise APIError(400, "This model does not accept images.", param=where,
-                       code="unsupported_content")
+def _with_images(text: str, images: Optional[list[str]], where: str,
+                 refs: list[ImageRef]) -> Any:
+    """A message's content: the text, or (with ``images``, base64 as Ollama sends them)
+    image parts followed by the text."""
+    if not images:
+        return text
+    for j, data in enumerate(images):
+        refs.append(ImageRef(f"{where}[{j}]", data=from_base64(data, f"{where}[{j}]")))
+    return [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
 
 
 def _schema(fmt: Union[str, dict, None]) -> Optional[dict[str, Any]]:
@@ -125,14 +131,14 @@ def _sampling(body: _Common) -> dict[str, Any]:
             "stop": stop, "stream": body.stream}
 
 
-def _messages(body: ChatBody) -> list[dict[str, Any]]:
+def _messages(body: ChatBody, refs: list[ImageRef]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
-        _no_images(m.images, f"messages[{i}].images")
         if m.role not in ("system", "user", "assistant", "tool"):
             raise APIError(400, f"invalid role {m.role!r} in messages[{i}]",
                            param=f"messages[{i}].role", code="invalid_value")
-        d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        d: dict[str, Any] = {"role": m.role, "content": _with_images(
+            m.content or "", m.images, f"messages[{i}].images", refs)}
         if m.tool_calls:
             calls = []
             for c in m.tool_calls:
@@ -165,7 +171,8 @@ def _think(body: _Common) -> dict[str, Any]:
 
 def chat_request(raw: dict[str, Any]) -> GenRequest:
     body = parse_model(ChatBody, raw)
-    return GenRequest(messages=_messages(body), tools=body.tools or None,
+    refs: list[ImageRef] = []
+    return GenRequest(messages=_messages(body, refs), images=refs, tools=body.tools or None,
                       response_schema=_schema(body.format), template_kwargs=_think(body),
                       **_sampling(body))
 
@@ -189,20 +196,23 @@ def render_template(template: str, values: dict[str, str]) -> str:
 
 def generate_request(raw: dict[str, Any]) -> GenRequest:
     body = parse_model(GenerateBody, raw)
-    _no_images(body.images, "images")
     if body.suffix:
         raise APIError(400, "this model does not support insert (suffix)", param="suffix",
                        code="unsupported_parameter")
     common = {"response_schema": _schema(body.format), **_sampling(body)}
+    if (body.raw or body.template) and body.images:
+        raise APIError(400, "images need the model's chat template; they cannot be sent "
+                       "with raw or template", param="images", code="invalid_value")
     if body.raw or body.template:
         text = body.prompt if body.raw else render_template(
             body.template, {"System": body.system or "", "Prompt": body.prompt,
                             "Response": ""})
         return GenRequest(prompts=[text], prompt_param="prompt", **common)
+    refs: list[ImageRef] = []
     msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.prompt}]
-    return GenRequest(messages=msgs, prompt_param="prompt", template_kwargs=_think(body),
-                      **common)
+        {"role": "user", "content": _with_images(body.prompt, body.images, "images", refs)}]
+    return GenRequest(messages=msgs, images=refs, prompt_param="prompt",
+                      template_kwargs=_think(body), **common)
 
 
 def created_at() -> str:

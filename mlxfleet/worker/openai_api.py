@@ -14,9 +14,16 @@ from quart import Quart
 
 from ..wire import APIError, parse_model, sse
 from .app import Worker
+from .images import ImageRef, openai_image
 from .pipeline import Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
 from .prompts import GenRequest, new_id, now
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    TextPart,
+)
 
 
 def _sampling(req: SamplingFields) -> dict[str, Any]:
@@ -32,12 +39,18 @@ def _sampling(req: SamplingFields) -> dict[str, Any]:
                 skip_special_tokens=req.skip_special_tokens)
 
 
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
-    if m.has_image():
-        raise APIError(400, "This model does not accept images.",
-                       param=f"messages[{i}].content", code="unsupported_content")
+def _message(m: ChatMessage, i: int, images: list[ImageRef]) -> dict[str, Any]:
+    content: Any = m.text()
+    if m.has_image():  # text and image parts, in order; the images go to ``images``
+        content = []
+        for j, p in enumerate(m.content):
+            if isinstance(p, TextPart):
+                content.append({"type": "text", "text": p.text})
+            else:
+                images.append(openai_image(p.model_dump(), f"messages[{i}].content[{j}]"))
+                content.append({"type": "image"})
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                         "content": m.text()}
+                         "content": content}
     if m.name:
         d["name"] = m.name
     if m.tool_call_id:
@@ -86,8 +99,10 @@ def _tool_choice(choice: Any) -> Any:
 
 def chat_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(ChatCompletionRequest, body)
+    images: list[ImageRef] = []
     return GenRequest(
-        messages=[_message(m, i) for i, m in enumerate(req.messages)],
+        messages=[_message(m, i, images) for i, m in enumerate(req.messages)],
+        images=images,
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         tool_choice=_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls is not False,

@@ -112,6 +112,8 @@ class Pipeline:
                 batch.append(q.get_nowait())
             out: list[Event] = []
             for ev in batch:
+                if isinstance(ev, EngineError) and ev.status == 400:
+                    raise APIError(400, ev.message, code="invalid_input")
                 if isinstance(ev, EngineError):
                     raise APIError(503, f"Generation failed: {ev.message}",
                                    type="server_error", code="engine_error",

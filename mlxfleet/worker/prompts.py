@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from ..wire import APIError
 from .config import WorkerConfig
+from .images import ImageRef
 from .sampling import SamplingParams
 
 
@@ -48,6 +49,8 @@ class GenRequest:
     skip_special_tokens: bool = True
     prompt_param: str = "messages"  # the field errors about the prompt name
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
+    # Images, in prompt order; each sits in its message's content as {"type": "image"}.
+    images: list[ImageRef] = field(default_factory=list)
 
     @property
     def sequences(self) -> int:
@@ -64,6 +67,7 @@ class ModelInfo:
     context_length: Optional[int]
     vocab_size: int
     defaults: WorkerConfig
+    vision: Any = None  # the engine's vision.VisionModel: its processor and image token
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -76,20 +80,23 @@ class ModelInfo:
         return max((len(t.encode("utf-8", "replace")) for t in vocab), default=64) or 1
 
 
-def chat_prompt(info: ModelInfo, req: GenRequest) -> list[int]:
-    """Render the conversation with the model's chat template and tokenize it."""
+def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
+    """Render the conversation with the model's chat template and tokenize it (or, with
+    ``tokenize=False``, the text: what a vision model's processor reads)."""
     tok = info.tokenizer
     messages = req.messages or []
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     if not getattr(tok, "has_chat_template", False):
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
-        return tok.encode(text + "assistant:")
+        return tok.encode(text + "assistant:") if tokenize else text + "assistant:"
     try:
         ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                      tokenize=True, **req.template_kwargs)
+                                      tokenize=tokenize, **req.template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the client's input problem
         raise APIError(400, f"The chat template could not render these messages: {e}",
                        param="messages", code="invalid_messages") from None
+    if not tokenize:
+        return ids
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -20,6 +20,7 @@ from quart import Quart
 
 from ..wire import HISTORY_FIELD, APIError, parse_model
 from .app import Worker
+from .images import ImageRef, openai_image
 from .parsers import call_id
 from .pipeline import (
     ChoiceResult,
@@ -67,30 +68,38 @@ class ResponsesRequest(BaseModel):
     user: Optional[str] = None
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or input_text / output_text parts."""
+def _text(content: Any, where: str, images: Optional[list[ImageRef]] = None) -> Any:
+    """A message's content: a string, or input_text / output_text parts joined; with
+    ``input_image`` parts (when ``images`` collects them), text and image parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"Invalid value for '{where}': expected a string or a list of "
                        "content parts.", param=where, code="invalid_value")
-    out = []
+    out, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "refusal"):
             out.append(str(part.get("text") or part.get("refusal") or ""))
+            parts.append({"type": "text", "text": out[-1]})
+        elif kind == "input_image" and images is not None:
+            images.append(openai_image(part, f"{where}[{j}]"))
+            parts.append({"type": "image"})
         elif kind in ("input_image", "input_file", "input_audio"):
             raise APIError(400, f"This model does not accept {kind} content.",
                            param=f"{where}[{j}]", code="unsupported_content")
         else:
             raise APIError(400, f"Unsupported content part type {kind!r}.",
                            param=f"{where}[{j}]", code="invalid_value")
+    if any(p["type"] == "image" for p in parts):
+        return parts
     return "".join(out)
 
 
-def input_messages(items: Union[str, list[dict[str, Any]]],
-                   instructions: Optional[str]) -> list[dict[str, Any]]:
-    """Responses input items as chat-template messages."""
+def input_messages(items: Union[str, list[dict[str, Any]]], instructions: Optional[str],
+                   images: Optional[list[ImageRef]] = None) -> list[dict[str, Any]]:
+    """Responses input items as chat-template messages (``input_image`` parts collected
+    into ``images``)."""
     msgs: list[dict[str, Any]] = []
     if instructions:
         msgs.append({"role": "system", "content": instructions})
@@ -105,7 +114,8 @@ def input_messages(items: Union[str, list[dict[str, Any]]],
                 raise APIError(400, f"Invalid value for '{where}.role': {role!r}.",
                                param=f"{where}.role", code="invalid_value")
             msgs.append({"role": "system" if role == "developer" else role,
-                         "content": _text(item.get("content", ""), f"{where}.content")})
+                         "content": _text(item.get("content", ""), f"{where}.content",
+                                          images if role == "user" else None)})
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(args, str):
@@ -187,7 +197,9 @@ def responses_request(body: dict[str, Any]) -> GenRequest:
         raise APIError(400, "previous_response_id needs the gateway's response store; send "
                        "this request to the gateway (a worker keeps no responses).",
                        param="previous_response_id", code="unsupported_parameter")
-    return GenRequest(messages=input_messages(req.input, req.instructions),
+    images: list[ImageRef] = []
+    return GenRequest(messages=input_messages(req.input, req.instructions, images),
+                      images=images,
                       tools=_tools(req), tool_choice=_tool_choice(req.tool_choice),
                       parallel_tool_calls=req.parallel_tool_calls is not False,
                       response_schema=_schema(req.text), max_tokens=req.max_output_tokens,
