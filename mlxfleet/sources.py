@@ -89,3 +89,15 @@ def weight_bytes(source: str, revision: Optional[str] = None) -> Optional[int]:
         return None
     files = list(d.glob("*.safetensors"))
     return sum(f.stat().st_size for f in files) if files else None
+
+
+def is_vision_checkpoint(path: Path) -> bool:
+    """A checkpoint with a vision tower (Hugging Face's ``vision_config``)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("vision_config"), dict)
+

@@ -61,7 +61,7 @@ CASES = [
      {"model": "tiny", "messages": [{"role": "user", "content": [
          {"type": "text", "text": "what is this"},
          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-     400, "messages[0].content"),
+     400, "messages[0].content[1]"),
     ("unknown-response-format", "POST", CHAT,
      {"model": "tiny", "messages": MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format"),

@@ -137,6 +137,8 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             caps.append("tools")
         if rt.manifest.spec.parsers.reasoning or (template and "<think>" in template):
             caps.append("thinking")
+        if "vision_config" in cfg or rt.manifest.spec.task == "vision":
+            caps.append("vision")
         return {"modelfile": f"# mlxfleet manifest {rt.file}\nFROM {rt.manifest.spec.source}\n",
                 "parameters": "\n".join(params), "template": template or "",
                 "details": _details(rt), "model_info": info, "capabilities": caps,

@@ -28,7 +28,6 @@ from .model_facts import context_length, grammar_stats, kv_bytes_per_token, mlx_
 from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache
 from .sampling import Samplers, SamplingParams, logits_processors
-from .vision import is_vision_checkpoint
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -178,7 +177,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm import load
 
-        from ..sources import resolve_source
+        from ..sources import is_vision_checkpoint, resolve_source
 
         t0 = time.monotonic()
         path = resolve_source(self.source, revision=self.config.revision)

@@ -62,7 +62,9 @@ class VisionPrompt:
 
 
 def bad_image(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_image")
+    """A 400 naming the image (``messages[0].content[1]: ...``): several may be sent, and
+    some protocols' error shapes have no field for the parameter."""
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_image")
 
 
 def from_data_uri(uri: str, param: str) -> ImageRef:
@@ -157,6 +159,8 @@ def decode(ref: ImageRef, data: bytes, limits: ImageLimits):
     except UnidentifiedImageError:
         raise bad_image(ref.param, "This is not an image (PNG, JPEG, WebP or GIF "
                         "expected).") from None
+    except (OSError, ValueError, SyntaxError) as e:  # a known format, cut or corrupt
+        raise bad_image(ref.param, f"The image could not be decoded: {e}") from None
     if img.format not in FORMATS:
         raise bad_image(ref.param, f"Image format {img.format} is not supported; send "
                         "PNG, JPEG, WebP or GIF.")

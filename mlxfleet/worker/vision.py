@@ -24,15 +24,6 @@ from typing import Any, Optional
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe")
 
 
-def is_vision_checkpoint(path: Path) -> bool:
-    """A checkpoint with a vision tower (Hugging Face's ``vision_config``)."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config.get("vision_config"), dict)
-
-
 def image_token_id(config: dict, processor: Any) -> int:
     for key in ("image_token_index", "image_token_id"):
         v = config.get(key)
