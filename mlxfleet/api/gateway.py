@@ -47,6 +47,7 @@ _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sani
 def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
+    from .dashboard import register_dashboard
     from .guard import install_guard
 
     settings = supervisor.settings
@@ -159,6 +160,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
 
     register_control(app, supervisor)
     register_ollama(app, supervisor)
+    register_dashboard(app)
     register_responses(app, store)
     register_mcp(app, mcp)
     return app

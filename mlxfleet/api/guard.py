@@ -73,8 +73,8 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int,
         g.request_id = request_id(request.headers.get("X-Request-Id"))
         g.started = time.perf_counter()
         path = request.path
-        if path in OPEN_ROUTES:
-            return None
+        if path in OPEN_ROUTES or path == "/" or path.startswith("/ui/"):
+            return None  # liveness, metrics and the dashboard's static files
         key = presented_key()
         if api_keys and not key_ok(key, any_key):  # inference and reads
             raise APIError(401, "Invalid or missing API key. Send it as 'Authorization: "

@@ -14,7 +14,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from quart import Quart, Response, request
+from quart import Quart, request
 
 from ..manifest import is_pattern
 from ..wire import APIError, parse_json_body
@@ -80,11 +80,6 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
     @app.get("/api/version")
     async def version():
         return {"version": OLLAMA_VERSION}
-
-    @app.route("/", methods=["GET", "HEAD"])
-    async def root():
-        # Ollama's liveness answer, which its clients probe for.
-        return Response("Ollama is running", content_type="text/plain; charset=utf-8")
 
     @app.get("/api/tags")
     async def tags():
