@@ -18,5 +18,15 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
 fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
+# The dashboard's browser tests drive Debian's Chromium (Playwright cannot download its own).
+if [ -n "$extra" ] && [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
+    && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+      >/dev/null 2>&1 || echo "note: could not install chromium; browser tests will fail" >&2
+  else
+    echo "note: 'sudo apt-get install chromium' is needed by the dashboard's browser tests" >&2
+  fi
+fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"

@@ -70,7 +70,9 @@ const secs = (s) => s == null ? "-" : s < 1 ? `${Math.round(s * 1000)} ms` : `${
 
 function countdown(m) {
   if (m.keepAlive === "forever") return "forever";
-  if (!m.expiresAt) return m.loaded ? "busy" : "-";
+  if (!m.loaded) return "-";
+  if (m.inflight) return "busy";
+  if (!m.expiresAt) return `${Math.round(m.keepAlive / 60)}m after use`;
   const left = Math.max(0, (Date.parse(m.expiresAt) - Date.now()) / 1000);
   const mm = Math.floor(left / 60), ss = Math.floor(left % 60);
   return `${mm}:${String(ss).padStart(2, "0")}`;
@@ -280,6 +282,11 @@ function chart(canvas, points, color) {
   g.scale(dpr, dpr);
   const css = getComputedStyle(document.documentElement);
   const vals = points.filter((p) => p != null);
+  if (!vals.length) {
+    g.fillStyle = css.getPropertyValue("--muted"); g.font = "13px system-ui";
+    g.fillText("no data yet", w / 2 - 35, h / 2);
+    return;
+  }
   const max = Math.max(1e-9, ...vals) * 1.15;
   g.strokeStyle = css.getPropertyValue("--line"); g.lineWidth = 1;
   g.fillStyle = css.getPropertyValue("--muted"); g.font = "11px system-ui";
