@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -55,6 +55,13 @@ class CacheSpec(_Spec):
     paged: Optional[bool] = Field(default=None, description="share prompt prefixes in "
                                   "64-token KV blocks (vllm-mlx's --use-paged-cache) instead "
                                   "of keeping whole prompts")
+    disk_mb: Optional[int] = Field(default=None, ge=0, alias="diskMB", description="a disk "
+                                   "tier for the prompt cache: evicted entries, and all of "
+                                   "them when the model unloads, kept under the state dir "
+                                   "and read back by the next worker of the same checkpoint")
+    warm_prompts: Union[list[list[dict[str, Any]]], str, None] = Field(
+        default=None, alias="warmPrompts", description="conversations (lists of chat "
+        "messages), or a JSON file of them, prefilled into the prompt cache at load")
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
 
 from ..manifest import Manifest
 from ..worker.config import WorkerConfig, cache_budget
+
+log = logging.getLogger("mlxfleet.supervisor")
 
 
 def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
@@ -46,4 +51,27 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
         "max_image_pixels": getattr(server, "max_image_pixels", None),
         "max_images": getattr(server, "max_images", None),
     }
+    if s.cache.disk_mb and server is not None:
+        fields["disk_cache_bytes"] = s.cache.disk_mb << 20
+        fields["disk_cache_dir"] = str(Path(server.state_dir).expanduser() / "prompt-cache"
+                                       / m.name)
+    fields["warm_prompts"] = warm_prompts(s.cache.warm_prompts, server)
     return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def warm_prompts(value: Any, server: Any = None) -> Optional[list]:
+    """``cache.warmPrompts``: the conversations, or those in a JSON file (a path relative
+    to the manifests folder)."""
+    if value is None or isinstance(value, list):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_absolute() and server is not None:
+        path = Path(server.manifests_dir) / path
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
+            raise ValueError("not a JSON list of message lists")
+    except (OSError, ValueError) as e:  # the model still starts, without warm prompts
+        log.warning("cache.warmPrompts: cannot use %s: %s", path, e)
+        return None
+    return data

@@ -329,6 +329,26 @@ class Worker:
 
         return streaming_response(tracked(), content_type=content_type)
 
+    async def warm(self) -> None:
+        """Prefill ``warm_prompts`` into the prompt cache once the model is loaded (as
+        vllm-mlx's --warm-prompts): the first real request with one of those prefixes
+        starts from the cache."""
+        if not self.config.warm_prompts:
+            return
+        await self.engine.wait_ready()
+        done = 0
+        for messages in self.config.warm_prompts:
+            try:
+                req = GenRequest(messages=messages, max_tokens=1, temperature=0.0)
+                prompts, _, params, _ = _prepare(self.model_info(), req)
+                await Pipeline(self.engine, self.engine.submit(prompts, params), OutputPlan(),
+                               None, len(prompts[0]), 1, False).collect()
+                done += 1
+            except Exception as e:  # noqa: BLE001 - a bad warm prompt is logged, not fatal
+                log.warning("warm prompt %d skipped: %s", done + 1, e)
+        log.info("warmed the prompt cache with %d of %d prompts", done,
+                 len(self.config.warm_prompts))
+
     def status(self) -> dict[str, Any]:
         return {"context_length": self.engine.context_length,
                 "inflight_requests": self.inflight, **self.engine.snapshot,
@@ -380,4 +400,9 @@ def create_app(engine: Engine) -> Quart:
     register_anthropic(app, worker)
     register_ollama(app, worker)
     register_responses(app, worker)
+
+    @app.before_serving
+    async def _warm():
+        app.warming = asyncio.get_running_loop().create_task(worker.warm())
+
     return app

@@ -33,6 +33,13 @@ class WorkerConfig(BaseModel):
     prefill_step_size: int = Field(512, ge=16, description="prompt tokens per prefill chunk")
     cache_bytes: int = Field(1 << 30, gt=0, description="KV memory budget: running "
                              "sequences plus retained prompt caches")
+    disk_cache_bytes: int = Field(0, ge=0, description="the prompt cache's disk tier: "
+                                  "entries leaving memory, and all of them when the worker "
+                                  "stops, are kept on disk up to this size (0 = off)")
+    disk_cache_dir: Optional[str] = Field(None, description="the disk tier's folder (one "
+                                          "per model; a subfolder per checkpoint)")
+    warm_prompts: list[list[dict]] = Field(default_factory=list, description="conversations "
+                                           "prefilled into the prompt cache at load")
     paged_cache: bool = Field(False, description="retain prompts as shared 64-token KV blocks "
                               "(the block prefix cache) rather than whole")
 

@@ -169,6 +169,12 @@ class Engine:
             self._fail_active(self.error)
             self._fail_pending()
         finally:
+            flush = getattr(getattr(self, "prompt_cache", None), "flush", None)
+            if flush is not None:
+                try:  # the disk tier keeps what memory held, for the next worker
+                    flush()
+                except Exception:  # noqa: BLE001
+                    log.exception("writing the prompt cache to disk failed")
             # Free MLX objects on the thread that made them.
             self._bg = None
             self._model = None
@@ -261,7 +267,16 @@ class Engine:
                 return BlockCache(cfg.cache_bytes)
             log.warning("this model's KV caches (%s) cannot be cut into blocks; keeping "
                         "whole prompts", ", ".join(sorted(k.__name__ for k in kinds)))
-        return PromptCache(cfg.cache_bytes)
+        disk = None
+        if cfg.disk_cache_bytes and cfg.disk_cache_dir:
+            from pathlib import Path
+
+            from .disk_cache import DiskTier, identity
+
+            disk = DiskTier(Path(cfg.disk_cache_dir), identity(cfg.source, cfg.revision),
+                            cfg.disk_cache_bytes)
+            log.info("prompt cache disk tier: %d entries in %s", len(disk.files), disk.dir)
+        return PromptCache(cfg.cache_bytes, disk)
 
     def _serve(self) -> None:
         while not self._stop:

@@ -30,6 +30,7 @@ class CacheStats:
     misses: int = 0
     cached_tokens_total: int = 0
     evictions: int = 0
+    disk_hits: int = 0  # hits served by reading an entry back from disk
 
 
 @dataclass
@@ -54,10 +55,15 @@ def _compact(c: Any) -> Any:
     return c
 
 
-class PromptCache:
-    """Retained KV caches keyed by token prefix, kept under ``budget_bytes``."""
+#: The trie's value for an entry that is only on disk (see ``DiskTier``).
+ON_DISK = _Entry([], 0)
 
-    def __init__(self, budget_bytes: int):
+
+class PromptCache:
+    """Retained KV caches keyed by token prefix, kept under ``budget_bytes``; with a
+    ``disk`` tier, entries leaving memory go to disk and come back on a hit."""
+
+    def __init__(self, budget_bytes: int, disk: Any = None):
         from mlx_lm.models.cache import PromptTrie
 
         self.budget = budget_bytes
@@ -65,6 +71,9 @@ class PromptCache:
         self._lru: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.stats = CacheStats()
+        self.disk = disk
+        for key in disk.keys() if disk else []:
+            self._trie.add(_KEY, list(key), ON_DISK)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -91,6 +100,8 @@ class PromptCache:
         else:
             kind, key, keep = None, None, 0
         entry = self._lru.get(tuple(key)) if key is not None else None
+        if entry is None and key is not None and keep >= MIN_REUSE_TOKENS:
+            entry = self._from_disk(tuple(key))
         if entry is None or keep < MIN_REUSE_TOKENS or (
                 kind != "prefix" and not can_trim_prompt_cache(entry.cache)):
             self.stats.misses += 1
@@ -125,19 +136,56 @@ class PromptCache:
             for n, prefix in self._trie.pop_prefixes(_KEY, list(tokens)):
                 self.nbytes -= prefix.nbytes
                 self._lru.pop(key[:n], None)
+                if prefix is ON_DISK:
+                    self.disk.remove(key[:n])
         self.trim(room)
 
     def trim(self, room: int) -> None:
-        """Drop least recently used entries until the cache fits in ``room`` bytes."""
+        """Drop least recently used entries until the cache fits in ``room`` bytes (to
+        the disk tier, when there is one)."""
         room = max(0, min(room, self.budget))
         while self._lru and self.nbytes > room:
             key, entry = self._lru.popitem(last=False)
-            self._trie.pop(_KEY, list(key))
             self.nbytes -= entry.nbytes
             self.stats.evictions += 1
+            if self.disk is None:
+                self._trie.pop(_KEY, list(key))
+                continue
+            self._trie.add(_KEY, list(key), ON_DISK)
+            self._forget(self.disk.write(key, entry.cache))
+
+    def flush(self) -> None:
+        """Write every entry in memory to the disk tier (the worker is stopping)."""
+        if self.disk is not None:
+            self.trim(0)
+
+    def _from_disk(self, key: tuple) -> Optional[_Entry]:
+        """A disk entry read back into memory (None if it is not there or does not load)."""
+        if self.disk is None or key not in self.disk.files:
+            return None
+        cache = self.disk.read(key)
+        if cache is None:
+            self._forget([key])
+            return None
+        entry = _Entry(cache, sum(c.nbytes for c in cache))
+        self._trie.add(_KEY, list(key), entry)
+        self._lru[key] = entry
+        self.nbytes += entry.nbytes
+        self.stats.disk_hits += 1
+        return entry
+
+    def _forget(self, keys: list[tuple]) -> None:
+        for key in keys:
+            try:
+                if self._trie.get(_KEY, list(key)) is ON_DISK:
+                    self._trie.pop(_KEY, list(key))
+            except KeyError:
+                pass
 
     def status(self) -> dict[str, Any]:
         s = self.stats
         return {"entries": len(self), "bytes": self.nbytes, "budget_bytes": self.budget,
                 "hits": dict(s.hits), "misses": s.misses,
-                "cached_tokens_total": s.cached_tokens_total, "evictions": s.evictions}
+                "cached_tokens_total": s.cached_tokens_total, "evictions": s.evictions,
+                "disk_hits": s.disk_hits,
+                "disk": self.disk.status() if self.disk is not None else None}

@@ -1,0 +1,138 @@
+"""The prompt cache's disk tier: entries that leave memory, kept as safetensors files.
+
+Each entry is one file written with mlx-lm's ``save_prompt_cache``, its token key in
+the file's metadata, written to a temporary name and renamed (a crash never leaves half
+a file under a real name). At start only the headers are read (the keys); a cache is
+loaded when a prompt matches it. The folder is per model and per checkpoint (a hash of
+source and revision): a new source wipes the old entries. Bounded by bytes, oldest
+first. A file that does not load is deleted and logged, never a crash.
+
+Used on the engine thread only (loading makes MLX arrays).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("mlxfleet.engine")
+
+TOKENS = "0.mlxfleet_tokens"  # where the key sits in the file's metadata (mlx-lm flattens)
+
+
+def identity(source: str, revision: Optional[str]) -> str:
+    """The checkpoint's folder name: entries from another checkpoint never load."""
+    return hashlib.sha256(f"{source}\0{revision or ''}".encode()).hexdigest()[:16]
+
+
+class DiskTier:
+    def __init__(self, root: Path, ident: str, budget_bytes: int):
+        self.dir = root / ident
+        self.budget = budget_bytes
+        root.mkdir(parents=True, exist_ok=True)
+        for other in root.iterdir():  # another source's entries: gone
+            if other.name != ident:
+                shutil.rmtree(other, ignore_errors=True) if other.is_dir() else \
+                    other.unlink(missing_ok=True)
+        self.dir.mkdir(exist_ok=True)
+        self.files: dict[tuple, Path] = {}
+        self.reads = self.writes = self.dropped = 0
+        for f in sorted(self.dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+            key = _read_key(f)
+            if key is None:
+                self._drop(f, "its header does not read")
+            else:
+                self.files[key] = f
+        for tmp in self.dir.glob("*.tmp*"):
+            tmp.unlink(missing_ok=True)
+
+    def keys(self) -> list[tuple]:
+        return list(self.files)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_size(f) for f in self.files.values())
+
+    def write(self, tokens: tuple, cache: list[Any]) -> list[tuple]:
+        """Keep ``cache`` for ``tokens``; returns the keys dropped to stay in budget."""
+        from mlx_lm.models.cache import save_prompt_cache
+
+        name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
+        path = self.dir / f"{name}.safetensors"
+        tmp = self.dir / f"{name}.tmp.safetensors"
+        try:
+            save_prompt_cache(str(tmp), cache, {"mlxfleet_tokens": json.dumps(list(tokens))})
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - a full disk must not stop the engine
+            log.warning("prompt cache: could not write %s: %s", path.name, e)
+            tmp.unlink(missing_ok=True)
+            return []
+        self.writes += 1
+        self.files.pop(tokens, None)
+        self.files[tokens] = path
+        return self._fit()
+
+    def read(self, tokens: tuple) -> Optional[list[Any]]:
+        """The cache stored for ``tokens``, or None (a bad file is dropped)."""
+        from mlx_lm.models.cache import load_prompt_cache
+
+        path = self.files.get(tokens)
+        if path is None:
+            return None
+        try:
+            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            if tuple(json.loads(meta["mlxfleet_tokens"])) != tokens:
+                raise ValueError("its key does not match its name")
+        except Exception as e:  # noqa: BLE001 - corrupt, truncated, another format
+            self.files.pop(tokens, None)
+            self._drop(path, f"{type(e).__name__}: {e}")
+            return None
+        self.reads += 1
+        path.touch()
+        self.files[tokens] = self.files.pop(tokens)  # most recently used last
+        return cache
+
+    def remove(self, tokens: tuple) -> None:
+        path = self.files.pop(tokens, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def _fit(self) -> list[tuple]:
+        dropped, total = [], self.nbytes
+        while self.files and total > self.budget:
+            key, path = next(iter(self.files.items()))
+            total -= _size(path)
+            self.remove(key)
+            dropped.append(key)
+        return dropped
+
+    def _drop(self, path: Path, why: str) -> None:
+        self.dropped += 1
+        log.warning("prompt cache: dropping %s: %s", path.name, why)
+        path.unlink(missing_ok=True)
+
+    def status(self) -> dict[str, Any]:
+        return {"entries": len(self.files), "bytes": self.nbytes, "budget_bytes": self.budget,
+                "reads": self.reads, "writes": self.writes, "dropped": self.dropped}
+
+
+def _read_key(path: Path) -> Optional[tuple]:
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            return tuple(json.loads((f.metadata() or {})[TOKENS]))
+    except Exception:  # noqa: BLE001 - anything unreadable is dropped by the caller
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

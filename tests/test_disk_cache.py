@@ -1,0 +1,89 @@
+"""The prompt cache's disk tier (``cache.diskMB``) and warm prompts (``cache.warmPrompts``).
+
+A real fleet: a conversation is cached, its model unloaded (the cache goes to disk) and
+loaded again by a new worker process, which reads it back; a corrupted file is dropped,
+not a crash; a new source wipes the old entries. Warm prompts are prefilled at load.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fleet import Fleet, manifest, wait_for
+
+SYSTEM = ("You are a careful assistant who answers questions about cities, countries, "
+          "the weather, numbers and time zones, always in one short sentence. " * 4)
+
+
+def ask(fleet, model: str, question: str) -> dict:
+    r = fleet.openai().chat.completions.create(
+        model=model, max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    return {"cached": r.usage.prompt_tokens_details.cached_tokens,
+            "prompt": r.usage.prompt_tokens, "text": r.choices[0].message.content}
+
+
+def control(fleet, name: str, action: str) -> None:
+    r = httpx.post(f"{fleet.url}/mlxfleet/v1/models/{name}/{action}", timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def disk_files(fleet, name: str) -> list:
+    return sorted((fleet.state / "prompt-cache" / name).glob("*/*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("diskcache"))
+    f.write("disk.yaml", manifest("disk", cache={"diskMB": 64}))
+    f.write("warm.yaml", manifest("warm", cache={"warmPrompts": [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]]}))
+    f.start()
+    f.wait_ready("disk")
+    f.wait_ready("warm")
+    yield f
+    f.stop()
+
+
+def test_a_conversation_survives_unload_and_reload(fleet):
+    cold = ask(fleet, "disk", "What is the capital of France?")
+    assert cold["cached"] == 0
+    control(fleet, "disk", "unload")
+    assert disk_files(fleet, "disk"), "unloading wrote the cache to disk"
+    control(fleet, "disk", "load")
+    again = ask(fleet, "disk", "What is the capital of France?")
+    assert again["cached"] == again["prompt"] - 1  # everything but the last token
+    assert again["text"] == cold["text"]  # the cache read back gives the same answer
+
+
+def test_a_corrupted_file_is_dropped_not_a_crash(fleet):
+    ask(fleet, "disk", "What is the capital of Italy?")
+    control(fleet, "disk", "unload")
+    files = disk_files(fleet, "disk")
+    assert files
+    for f in files:
+        f.write_bytes(f.read_bytes()[:100])  # truncated: a crash mid-write, a bad disk
+    control(fleet, "disk", "load")
+    r = ask(fleet, "disk", "What is the capital of Italy?")
+    assert r["cached"] == 0 and r["text"]  # a miss, answered
+    log = httpx.get(f"{fleet.url}/mlxfleet/v1/models/disk/logs?tail=200", timeout=10).text
+    assert "prompt cache: dropping" in log  # logged, with the file's name
+    assert fleet.status("disk")["restarts"] == 0
+
+
+def test_a_new_source_wipes_the_old_entries(fleet):
+    ask(fleet, "disk", "What is the capital of Spain?")
+    control(fleet, "disk", "unload")
+    old = {p.parent.name for p in disk_files(fleet, "disk")}
+    assert old
+    fleet.write("disk.yaml", manifest("disk", source="builtin:tiny-10m", cache={"diskMB": 64}))
+    assert wait_for(lambda: fleet.status("disk")["source"] == "builtin:tiny-10m", timeout=30)
+    control(fleet, "disk", "load")
+    ask(fleet, "disk", "What is the capital of Spain?")
+    folders = {p.name for p in (fleet.state / "prompt-cache" / "disk").iterdir()}
+    assert not folders & old  # the old checkpoint's entries are gone
+
+
+def test_warm_prompts_are_cached_at_load(fleet):
+    r = ask(fleet, "warm", "Hello again")
+    assert r["cached"] >= 32  # the system prompt came from the warm-up
