@@ -24,6 +24,12 @@ def test_gathering_stops_at_a_full_batch_or_when_the_wait_is_spent():
     assert P.gather_on_quiet(announced=2) and not P.gather_on_quiet(announced=0)
 
 
+def test_a_lone_request_starts_at_once_and_a_burst_gathers():
+    assert not P.gathers(announced=0, since_previous=10.0)  # one person typing
+    assert P.gathers(announced=1, since_previous=10.0)  # another one is being parsed
+    assert P.gathers(announced=0, since_previous=0.002)  # arrivals close together
+
+
 def test_stragglers_gather_only_while_decoding_and_briefly():
     assert P.hold(running=3, pending=1, oldest_age=0.01)
     assert not P.hold(running=0, pending=1, oldest_age=0.01)  # idle: start now

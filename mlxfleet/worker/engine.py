@@ -96,6 +96,7 @@ class Engine:
         self.memory_limit: Optional[int] = None  # MLX's limit, set after the load
         self.vision: Any = None  # a vision.VisionModel when the model reads images
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
+        self._last_arrival = self._previous_arrival = float("-inf")  # submit times
 
     # ---- event-loop side -------------------------------------------------
 
@@ -326,8 +327,11 @@ class Engine:
 
     def _coalesce(self) -> bool:
         """After an idle spell, wait briefly for more requests so that a burst is
-        prefilled in full batches (``AdmissionPolicy`` says how long)."""
-        deadline = time.monotonic() + self.policy.batch_wait
+        prefilled in full batches (``AdmissionPolicy`` says whether and how long)."""
+        now = time.monotonic()
+        if not self.policy.gathers(self.announced, now - self._previous_arrival):
+            return True
+        deadline = now + self.policy.batch_wait
         while True:
             timeout = self.policy.gather_timeout(len(self._pending), time.monotonic(),
                                                  deadline)
@@ -370,6 +374,8 @@ class Engine:
             return False
         if isinstance(item, _Submit):
             self._pending.append(item.gen)
+            self._previous_arrival, self._last_arrival = self._last_arrival, \
+                item.gen.submitted_at
         elif isinstance(item, _Cancel):
             uids = [u for u in item.gen.uids if u in self._seqs]
             if uids:

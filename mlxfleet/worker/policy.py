@@ -30,6 +30,14 @@ class AdmissionPolicy:
     batch_wait: float = 0.02  # seconds an idle engine gathers a burst, at most
     batch_gap: float = 0.005  # ...as long as requests arrive closer together than this
     admit_wait: float = 0.05  # while decoding, how long new arrivals may gather
+    burst_window: float = 0.05  # an arrival this soon after the previous one is a burst
+
+    def gathers(self, announced: int, since_previous: float) -> bool:
+        """Whether an idle engine should wait for company before starting the request
+        that woke it: only when others are on their way (being prepared on the event
+        loop) or requests are arriving close together. A lone request, the common case
+        of one person typing, starts at once."""
+        return announced > 0 or since_previous < self.burst_window
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """KV bytes one sequence may grow to."""
