@@ -73,6 +73,9 @@ def test_files_added_edited_and_deleted_drive_the_models(fleet):
 def test_spec_change_mid_stream_loses_nothing(fleet):
     # tiny-10m is slow enough on CPU that a 1500-token stream spans the rollout.
     fleet.write("m.yaml", manifest("slow", source="builtin:tiny-10m"))
+    # The old worker drains its stream for as long as the stream takes: on a loaded
+    # 2-core machine that can pass the fleet's usual 20 s.
+    fleet.env["MLXFLEET_DRAIN_TIMEOUT"] = "120"
     fleet.start()
     old = fleet.wait_ready("slow")
     got = {}
