@@ -12,7 +12,6 @@ first request.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,22 +28,16 @@ from mlxfleet.sources import resolve_source  # noqa: E402
 
 
 def ttft(url: str, model: str, system: str, question: str) -> tuple[float, int]:
-    body = {"model": model, "max_tokens": 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
+    """Seconds for a 1-token answer (its first token: prefill and one step), and the
+    prompt tokens served from the cache."""
+    body = {"model": model, "max_tokens": 1, "temperature": 0,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": question}]}
-    t0, first, cached = time.perf_counter(), None, 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                if chunk["choices"][0]["delta"].get("content") is not None:
-                    first = time.perf_counter() - t0
-            if chunk.get("usage"):
-                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return first or time.perf_counter() - t0, cached
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
 
 
 def main() -> None:
