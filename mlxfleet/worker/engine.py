@@ -26,7 +26,7 @@ from .decode import SequenceDecoder, special_token_ids
 from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
 from .model_facts import context_length, grammar_stats, kv_bytes_per_token, mlx_memory
 from .policy import AdmissionPolicy
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, compact
 from .sampling import Samplers, SamplingParams, logits_processors
 
 log = logging.getLogger("mlxfleet.engine")
@@ -410,12 +410,23 @@ class Engine:
             count = gen.num_sequences
             procs = [logits_processors(p, self.tokenizer, self.vocab_size)
                      for _ in range(count)]
+            skip = self._special if p.skip_special_tokens else frozenset()
+            decoders = [SequenceDecoder(self.tokenizer, p.stop, skip) for _ in range(count)]
+            budget = p.max_tokens
+            samplers = [self._samplers.get(p, i) for i in range(count)]
+            if self._lone(gen, procs):
+                first, cache = self._solo_first_token(gen, prompts[0], caches[0], decoders[0],
+                                                      samplers[0])
+                if first is None:
+                    return  # finished with its first token
+                prompts, caches, cached = [[first]], [cache], [list(gen.prompts[0])]
+                budget -= 1
             uids = self._bg.insert(
                 prompts,
-                max_tokens=[p.max_tokens] * count,
+                max_tokens=[budget] * count,
                 caches=caches,
                 all_tokens=cached,
-                samplers=[self._samplers.get(p, i) for i in range(count)],
+                samplers=samplers,
                 logits_processors=procs,
                 stop_sequences=[self._no_stop] * count if p.ignore_eos else None,
             )
@@ -427,15 +438,64 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
-        gen.phase, gen.started_at = "prefill", time.monotonic()
-        skip = self._special if p.skip_special_tokens else frozenset()
+        if gen.phase == "queued":
+            gen.phase, gen.started_at = "prefill", time.monotonic()
+            self._count_request(gen)
         key = gen.vision.key if gen.vision is not None else None
         for i, uid in enumerate(uids):
-            self._seqs[uid] = _Seq(gen, i, need, SequenceDecoder(self.tokenizer, p.stop, skip),
-                                   procs[i], key)
+            self._seqs[uid] = _Seq(gen, i, need, decoders[i], procs[i], key)
         self._reserved += need * len(uids)
+
+    def _count_request(self, gen: Generation) -> None:
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
+
+    def _lone(self, gen: Generation, procs: list) -> bool:
+        """A request alone in an idle engine, plain enough for ``_solo_first_token``."""
+        p = gen.params
+        return (not self._seqs and not self._pending and gen.num_sequences == 1
+                and gen.vision is None and not procs[0] and p.logprobs is None)
+
+    def _solo_first_token(self, gen: Generation, rest: list[int], cache: Optional[list],
+                          decoder: SequenceDecoder, sampler: Any
+                          ) -> tuple[Optional[int], list]:
+        """A lone request's first token, sampled here from one forward pass over its whole
+        prompt, and sent at once.
+
+        ``BatchGenerator`` reads a prompt's last token in a pass of its own and computes
+        the second token before handing out the first (docs/performance.md); for one
+        person typing, that is two extra passes over the weights before anything shows.
+        Here the first token leaves after one pass; the sequence then joins the batch like
+        a prompt-cache hit (its cache holds the prompt, its next input is this token).
+        Returns that token (None when the generation ended with it) and the cache."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        p = gen.params
+        gen.phase, gen.started_at = "prefill", time.monotonic()
+        self._count_request(gen)
+        cache = cache if cache is not None else make_prompt_cache(self._model)
+        x = mx.array(rest)[None]
+        step = self.config.prefill_step_size
+        while x.shape[1] > step:
+            self._model(x[:, :step], cache=cache)
+            mx.eval([c.state for c in cache])
+            x = x[:, step:]
+        logits = self._model(x, cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = int((sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)).item())
+        self.stats.steps += 1
+        self.stats.generation_tokens_total += 1
+        reason = "stop" if not p.ignore_eos and token in self.tokenizer.eos_token_ids else \
+            "length" if p.max_tokens <= 1 else None
+        text = decoder.feed(token, reason)
+        gen.generated, gen.phase, gen.first_token_at = 1, "generation", time.monotonic()
+        self._post([(gen, TokenEvent(0, token, text, decoder.finish_reason,
+                                     decoder.stop_sequence))])
+        if decoder.finish_reason is None:
+            return token, [compact(c) for c in cache]  # as the batch takes a cache hit's
+        self.prompt_cache.store(list(gen.prompts[0]), cache, self.policy.budget - self._reserved)
+        return None, cache
 
     def _fetch_vision(self, vp) -> tuple[list[Any], list[int], Optional[str], int]:
         """A prompt with images: the cached prefix, looked up by its key (image hashes in

@@ -39,7 +39,7 @@ class _Entry:
     nbytes: int
 
 
-def _compact(c: Any) -> Any:
+def compact(c: Any) -> Any:
     """A finished sequence's KV cache, copied out of the batch's buffers. What the batch
     hands back are views: kept as they are, each would pin the whole batch's (much
     larger) buffer in memory while counting only its own bytes."""
@@ -124,7 +124,7 @@ class PromptCache:
         if not tokens or room <= 0:
             return
         key = tuple(tokens)
-        cache = [_compact(c) for c in cache]
+        cache = [compact(c) for c in cache]
         entry = _Entry(cache, sum(c.nbytes for c in cache))
         old = self._trie.add(_KEY, list(tokens), entry)
         if old is not None:
