@@ -251,48 +251,40 @@ def register_ollama(app: Quart, worker: Worker) -> None:
                 else {"role": "assistant", "content": ""}, "done": True,
                 "done_reason": "load"}
 
-    @app.post("/api/chat")
-    async def chat():
+    async def answer(key: str, schema: type, to_request, has_work) -> Any:
+        """/api/chat (``key`` "message") and /api/generate ("response"): a request with
+        nothing to generate loads the model; otherwise NDJSON lines or one object."""
         from quart import request
 
         from ..wire import parse_json_body
 
         raw = parse_json_body(await request.get_data())
-        if not raw.get("messages"):
-            parse_model(ChatBody, raw)
-            return loaded("message")
-        req, pipe = await worker.begin(chat_request)
+        if not has_work(raw):
+            parse_model(schema, raw)  # still a 400 for a malformed body
+            return loaded(key)
+        req, pipe = await worker.begin(to_request)
         think = raw.get("think") is not False
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, "message", think), NDJSON)
+            return worker.stream(pipe, _stream(pipe, key, think), NDJSON)
         r = (await worker.collect(pipe))[0]
-        msg: dict[str, Any] = {"role": "assistant", "content": r.text}
-        if r.reasoning and think:
-            msg["thinking"] = r.reasoning
-        if r.calls:
-            msg["tool_calls"] = _calls(r.calls)
-        return {"model": name, "created_at": created_at(), "message": msg,
-                **_final(pipe, r.finish)}
+        thinking = {"thinking": r.reasoning} if r.reasoning and think else {}
+        if key == "message":
+            calls = {"tool_calls": _calls(r.calls)} if r.calls else {}
+            body: dict[str, Any] = {"message": {"role": "assistant", "content": r.text,
+                                                **thinking, **calls}}
+        else:
+            body = {"response": r.text, **thinking}
+        return {"model": name, "created_at": created_at(), **body, **_final(pipe, r.finish)}
+
+    @app.post("/api/chat")
+    async def chat():
+        return await answer("message", ChatBody, chat_request,
+                            lambda raw: bool(raw.get("messages")))
 
     @app.post("/api/generate")
     async def generate():
-        from quart import request
-
-        from ..wire import parse_json_body
-
-        raw = parse_json_body(await request.get_data())
-        if not raw.get("prompt") and not raw.get("images"):
-            parse_model(GenerateBody, raw)
-            return loaded("response")
-        req, pipe = await worker.begin(generate_request)
-        think = raw.get("think") is not False
-        if req.stream:
-            return worker.stream(pipe, _stream(pipe, "response", think), NDJSON)
-        r = (await worker.collect(pipe))[0]
-        out: dict[str, Any] = {"model": name, "created_at": created_at(), "response": r.text}
-        if r.reasoning and think:
-            out["thinking"] = r.reasoning
-        return {**out, **_final(pipe, r.finish)}
+        return await answer("response", GenerateBody, generate_request,
+                            lambda raw: bool(raw.get("prompt") or raw.get("images")))
 
     async def _stream(pipe: Pipeline, key: str, think: bool):
         """NDJSON lines: one per delta, then the final one with the counters."""
