@@ -191,8 +191,12 @@ def _schema(text: Optional[TextConfig]) -> Optional[dict[str, Any]]:
                    "json_schema.", param="text.format", code="invalid_value")
 
 
-def responses_request(body: dict[str, Any]) -> GenRequest:
+def responses_request(body: dict[str, Any], keep: Optional[list] = None) -> GenRequest:
+    """The generation request; the validated Responses request goes into ``keep`` (the
+    response object echoes its fields), so the body is validated once."""
     req = parse_model(ResponsesRequest, body)
+    if keep is not None:
+        keep.append(req)
     if req.previous_response_id and not body.get(HISTORY_FIELD):
         raise APIError(400, "previous_response_id needs the gateway's response store; send "
                        "this request to the gateway (a worker keeps no responses).",
@@ -268,13 +272,11 @@ def register_responses(app: Quart, worker: Worker) -> None:
 
     @app.post("/v1/responses")
     async def create():
-        from quart import request
 
-        from ..wire import parse_json_body
 
-        body = parse_json_body(await request.get_data())
-        req, pipe = await worker.begin(responses_request)
-        shell = _Shell(parse_model(ResponsesRequest, body), name)
+        parsed: list[ResponsesRequest] = []
+        req, pipe = await worker.begin(lambda body: responses_request(body, parsed))
+        shell = _Shell(parsed[0], name)
         if req.stream:
             return worker.stream(pipe, _stream(pipe, shell))
         r: ChoiceResult = (await worker.collect(pipe))[0]
