@@ -272,8 +272,6 @@ def register_responses(app: Quart, worker: Worker) -> None:
 
     @app.post("/v1/responses")
     async def create():
-
-
         parsed: list[ResponsesRequest] = []
         req, pipe = await worker.begin(lambda body: responses_request(body, parsed))
         shell = _Shell(parsed[0], name)
