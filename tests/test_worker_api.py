@@ -8,6 +8,7 @@ import asyncio
 
 import openai
 import pytest
+from fleet import in_parallel
 
 MSGS = [{"role": "user", "content": "What is the capital of Japan?"}]
 
@@ -122,6 +123,20 @@ def test_seed_makes_sampling_reproducible(client):
     c = client.chat.completions.create(seed=8, **kw).choices[0].message.content
     assert a == b
     assert a != c
+
+
+def test_alone_or_in_a_batch_the_answer_is_the_same(client):
+    """A request alone in an idle engine takes its first token in a pass of its own
+    (the lone-request fast path) and then joins the batch; with others running it starts
+    in the batch. Either way a seed gives the same text, and so does greedy decoding."""
+    def ask(seed=None, temperature=1.5):
+        return client.chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=24, temperature=temperature,
+            seed=seed).choices[0].message.content
+
+    alone = [ask(seed=11), ask(temperature=0)]
+    busy = in_parallel(lambda a: ask(*a), [(11,), (None, 0), (12,), (13,)])
+    assert busy[:2] == alone
 
 
 def test_stop_strings_are_cut_and_end_the_choice(client):
