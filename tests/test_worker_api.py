@@ -135,7 +135,7 @@ def test_alone_or_in_a_batch_the_answer_is_the_same(client):
             seed=seed).choices[0].message.content
 
     alone = [ask(seed=11), ask(temperature=0)]
-    busy = in_parallel(lambda a: ask(*a), [(11,), (None, 0), (12,), (13,)])
+    busy = in_parallel(ask, [(11,), (None, 0), (12,), (13,)])
     assert busy[:2] == alone
 
 
