@@ -1,5 +1,6 @@
 """One person typing: sequential 1-token chat requests, mlx_lm.server against our worker
-and our gateway, interleaved (A B C A B C ...) so drift hits all three alike.
+and our gateway, interleaved in a shuffled order with a pause between requests, so drift
+and each server's leftover BLAS spinning hit all three alike.
 
     .venv/bin/python benchmarks/lone.py [--model builtin:tiny-50m] [--requests 200]
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -58,8 +60,14 @@ def main() -> None:
                   ok=lambda r: r.status_code == 200 and r.json()["ready"])
         clients = {k: httpx.Client(base_url=u, timeout=60) for k, (u, _) in targets.items()}
         times: dict[str, list[float]] = {k: [] for k in targets}
+        order = list(targets)
         for i in range(args.requests + 10):
-            for k, (_, model) in targets.items():
+            # A shuffled order and a pause: a server's BLAS threads spin for a moment
+            # after its work, which would tax whichever server is asked next.
+            random.shuffle(order)
+            for k in order:
+                model = targets[k][1]
+                time.sleep(0.05)
                 body = {"model": model, "max_tokens": 1, "temperature": 0,
                         "messages": [{"role": "user", "content": f"hi {i % 7}"}]}
                 t0 = time.perf_counter()
