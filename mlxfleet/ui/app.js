@@ -296,13 +296,17 @@ function chart(canvas, points, color) {
     g.fillText((max * f).toPrecision(2), 0, y + 4);
   }
   g.fillText("-5 min", 36, h - 2); g.fillText("now", w - 24, h - 2);
-  g.strokeStyle = color; g.lineWidth = 2; g.beginPath();
-  let started = false;
+  // A line through consecutive samples; a dot for a sample with no neighbour (TTFT is
+  // only known when a request starts, so its series has gaps).
+  g.strokeStyle = color; g.fillStyle = color; g.lineWidth = 2;
+  const at = (v, i) => [36 + (i / Math.max(1, HISTORY - 1)) * (w - 36),
+    h - 16 - (v / max) * (h - 24)];
+  g.beginPath();
   points.forEach((v, i) => {
     if (v == null) return;
-    const x = 36 + (i / Math.max(1, HISTORY - 1)) * (w - 36);
-    const y = h - 16 - (v / max) * (h - 24);
-    if (started) g.lineTo(x, y); else { g.moveTo(x, y); started = true; }
+    const [x, y] = at(v, i);
+    if (points[i - 1] != null) g.lineTo(x, y); else g.moveTo(x, y);
+    if (points[i - 1] == null && points[i + 1] == null) g.fillRect(x - 2, y - 2, 4, 4);
   });
   g.stroke();
 }
