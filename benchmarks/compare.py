@@ -392,7 +392,10 @@ NOTES = """## Notes
   out by HTTP parsing, tokenizing and the gateway hop; prefilling each as it arrives costs a
   forward pass per prompt. The engine now gathers a burst before prefilling when idle
   (`batch_wait` 20 ms, `batch_gap` 5 ms) and lets arrivals gather while it decodes
-  (`admit_wait` 50 ms). That took the worker at 32 streams from 0.66x to about 0.9x of the raw
+  (`admit_wait` 50 ms). A lone request does not wait: an idle engine gathers only when others
+  are being prepared or arrived within 50 ms, and a request alone in an idle engine gets its
+  first token from one pass over its prompt before it joins the batch (see "A lone request").
+  Gathering took the worker at 32 streams from 0.66x to about 0.9x of the raw
   loop (`python benchmarks/compare.py` before and after, same machine).
 - The gateway hop costs a few milliseconds per request (Quart's request handling on the public
   side, the HTTP hop over the worker's Unix socket, auth and metrics hooks): the 1 ms target is
@@ -408,12 +411,15 @@ NOTES = """## Notes
   kept for prefix reuse, was a view into the running batch's buffer and pinned all of it while
   being counted at its own size (about 5x more memory than counted). The gateway's worker is the
   one that runs the long-prompt cache test, so it grew most. Caches are now copied out of the
-  batch (`prompt_cache._compact`); the run above is after the fix: the gateway's worker ends
+  batch (`prompt_cache.compact`); the runs since are after the fix: the gateway's worker ends
   at 1,739 MiB, within its 2,532 MiB estimate. Throughput is another matter: in this run every
   server trails the raw loop (worker direct 0.82-0.92x, gateway 0.83-0.89x, mlx_lm.server
   0.90-0.92x) on a machine running about 2.5x slower than earlier runs the same day, so the
-  ratios are not comparable across runs; the gateway is at 0.91-0.98x of mlx_lm.server. Closing
-  that gap is the speed issue's work.
+  ratios are not comparable across runs; the gateway was at 0.91-0.98x of mlx_lm.server. In the
+  run above (2026-12-01, after the lone-request changes) the gateway is at 1.02x, 1.04x and
+  1.01x of mlx_lm.server at 1, 8 and 32 streams, and 0.85-0.97x of the raw loop; its TTFT at
+  32 streams is still behind (20.2 s against 17.3 s). The 1.2x and 1.0x-raw targets at 32
+  streams remain the speed issue's work.
 
 ## Other benchmarks
 
