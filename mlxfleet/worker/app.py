@@ -29,8 +29,8 @@ from ..wire import (
     streaming_response,
 )
 from .engine import Engine
-from .images import ImageLimits, vision_prompt
 from .images import load as load_images
+from .images import vision_prompt
 from .pipeline import Pipeline
 from .prompts import (
     GenRequest,
@@ -172,9 +172,6 @@ class Worker:
         self.inflight = 0  # sequences admitted and not finished (n x prompts per request)
         self.calls: dict[str, Pipeline] = {}
         self._info: Optional[ModelInfo] = None
-        c = self.config
-        self.image_limits = ImageLimits(c.max_image_bytes, c.max_image_pixels, c.max_images,
-                                        c.allow_image_urls, c.image_fetch_timeout)
 
     def model_info(self) -> ModelInfo:
         e = self.engine
@@ -267,7 +264,7 @@ class Worker:
             raise APIError(400, f"Model '{self.name}' does not accept images: it is not a "
                            "vision model.", param=req.images[0].param,
                            code="unsupported_content")
-        return await load_images(req.images, self.image_limits)
+        return await load_images(req.images, self.config)
 
     def _check_size(self, info: ModelInfo, req: GenRequest) -> int:
         """Cheap refusals before any tokenizing: more sequences than the batch holds, or a

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..wire import APIError
+from .config import WorkerConfig
 
 #: Formats accepted (what Pillow reports); GIFs give their first frame.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp",
@@ -37,15 +38,6 @@ class ImageRef:
     data: Optional[bytes] = None
     url: Optional[str] = None
     media_type: Optional[str] = None  # what the client declared, if anything
-
-
-@dataclass
-class ImageLimits:
-    max_bytes: int = 20 << 20
-    max_pixels: int = 50_000_000
-    max_images: int = 16
-    allow_urls: bool = False
-    fetch_timeout: float = 10.0
 
 
 @dataclass
@@ -119,17 +111,17 @@ def from_base64(payload: str, param: str) -> bytes:
         raise bad_image(param, "The image is not valid base64.") from None
 
 
-async def fetch(ref: ImageRef, limits: ImageLimits) -> bytes:
+async def fetch(ref: ImageRef, limits: WorkerConfig) -> bytes:
     """Download an image URL, within the size and time limits. URLs are off unless the
     server allows them: the server would fetch whatever address a client names (SSRF)."""
     import httpx
 
-    if not limits.allow_urls:
+    if not limits.allow_image_urls:
         raise bad_image(ref.param, "This server does not fetch image URLs; send the image "
                         "inline (a base64 data URI), or start the server with image URLs "
                         "allowed (MLXFLEET_ALLOW_IMAGE_URLS=1).")
     try:
-        async with httpx.AsyncClient(timeout=limits.fetch_timeout,
+        async with httpx.AsyncClient(timeout=limits.image_fetch_timeout,
                                      follow_redirects=True) as client:
             async with client.stream("GET", ref.url) as r:
                 if r.status_code != 200:
@@ -138,22 +130,22 @@ async def fetch(ref: ImageRef, limits: ImageLimits) -> bytes:
                 buf = bytearray()
                 async for chunk in r.aiter_bytes():
                     buf += chunk
-                    if len(buf) > limits.max_bytes:
+                    if len(buf) > limits.max_image_bytes:
                         raise bad_image(ref.param, f"The image at {ref.url} is larger "
-                                        f"than {limits.max_bytes} bytes.")
+                                        f"than {limits.max_image_bytes} bytes.")
                 return bytes(buf)
     except httpx.HTTPError as e:
         raise bad_image(ref.param, f"Fetching the image failed: {type(e).__name__}: "
                         f"{e}") from None
 
 
-def decode(ref: ImageRef, data: bytes, limits: ImageLimits):
+def decode(ref: ImageRef, data: bytes, limits: WorkerConfig):
     """Bytes -> an RGB Pillow image, or a 400 that says what is wrong with them."""
     from PIL import Image, UnidentifiedImageError
 
-    if len(data) > limits.max_bytes:
+    if len(data) > limits.max_image_bytes:
         raise bad_image(ref.param, f"The image is {len(data)} bytes; this server accepts "
-                        f"at most {limits.max_bytes}.")
+                        f"at most {limits.max_image_bytes}.")
     try:
         img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
@@ -165,9 +157,9 @@ def decode(ref: ImageRef, data: bytes, limits: ImageLimits):
         raise bad_image(ref.param, f"Image format {img.format} is not supported; send "
                         "PNG, JPEG, WebP or GIF.")
     w, h = img.size
-    if w * h > limits.max_pixels:
+    if w * h > limits.max_image_pixels:
         raise bad_image(ref.param, f"The image is {w}x{h} pixels; this server accepts at "
-                        f"most {limits.max_pixels} pixels.")
+                        f"most {limits.max_image_pixels} pixels.")
     try:
         img.seek(0)  # an animated GIF or WebP: its first frame
         return img.convert("RGB")
@@ -175,7 +167,7 @@ def decode(ref: ImageRef, data: bytes, limits: ImageLimits):
         raise bad_image(ref.param, f"The image could not be decoded: {e}") from None
 
 
-async def load(refs: list[ImageRef], limits: ImageLimits) -> list[tuple[Any, str]]:
+async def load(refs: list[ImageRef], limits: WorkerConfig) -> list[tuple[Any, str]]:
     """Each image decoded, with the SHA-256 of its bytes (the prompt cache's key)."""
     import asyncio
 
