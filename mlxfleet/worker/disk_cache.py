@@ -40,23 +40,21 @@ class DiskTier:
                 shutil.rmtree(other, ignore_errors=True) if other.is_dir() else \
                     other.unlink(missing_ok=True)
         self.dir.mkdir(exist_ok=True)
-        self.files: dict[tuple, Path] = {}
+        self.files: dict[tuple, Path] = {}  # least recently used first
+        self._sizes: dict[tuple, int] = {}
+        self.nbytes = 0  # the files' total size, kept as they come and go
         self.reads = self.writes = self.dropped = 0
         for f in sorted(self.dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
             key = _read_key(f)
             if key is None:
                 self._drop(f, "its header does not read")
             else:
-                self.files[key] = f
+                self._add(key, f)
         for tmp in self.dir.glob("*.tmp*"):
             tmp.unlink(missing_ok=True)
 
     def keys(self) -> list[tuple]:
         return list(self.files)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_size(f) for f in self.files.values())
 
     def write(self, tokens: tuple, cache: list[Any]) -> list[tuple]:
         """Keep ``cache`` for ``tokens``; returns the keys dropped to stay in budget."""
@@ -73,8 +71,8 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             return []
         self.writes += 1
-        self.files.pop(tokens, None)
-        self.files[tokens] = path
+        self.remove(tokens, unlink=False)  # rewritten in place: its old size goes
+        self._add(tokens, path)
         return self._fit()
 
     def read(self, tokens: tuple) -> Optional[list[Any]]:
@@ -89,7 +87,7 @@ class DiskTier:
             if tuple(json.loads(meta["mlxfleet_tokens"])) != tokens:
                 raise ValueError("its key does not match its name")
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, another format
-            self.files.pop(tokens, None)
+            self.remove(tokens, unlink=False)
             self._drop(path, f"{type(e).__name__}: {e}")
             return None
         self.reads += 1
@@ -97,16 +95,22 @@ class DiskTier:
         self.files[tokens] = self.files.pop(tokens)  # most recently used last
         return cache
 
-    def remove(self, tokens: tuple) -> None:
+    def remove(self, tokens: tuple, unlink: bool = True) -> None:
         path = self.files.pop(tokens, None)
         if path is not None:
-            path.unlink(missing_ok=True)
+            self.nbytes -= self._sizes.pop(tokens)
+            if unlink:
+                path.unlink(missing_ok=True)
+
+    def _add(self, tokens: tuple, path: Path) -> None:
+        self.files[tokens] = path
+        self._sizes[tokens] = _size(path)
+        self.nbytes += self._sizes[tokens]
 
     def _fit(self) -> list[tuple]:
-        dropped, total = [], self.nbytes
-        while self.files and total > self.budget:
-            key, path = next(iter(self.files.items()))
-            total -= _size(path)
+        dropped = []
+        while self.files and self.nbytes > self.budget:
+            key = next(iter(self.files))
             self.remove(key)
             dropped.append(key)
         return dropped
