@@ -146,6 +146,9 @@ class BlockCache:
                 self._blocks[b.parent].children.discard(leaf)
             self.stats.evictions += 1
 
+    def flush(self) -> None:
+        """Nothing to keep: the block cache has no disk tier (``PromptCache.flush``)."""
+
     def status(self) -> dict[str, Any]:
         s = self.stats
         return {"type": "paged", "block_tokens": BLOCK_TOKENS, "entries": len(self),

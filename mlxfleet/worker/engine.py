@@ -170,10 +170,9 @@ class Engine:
             self._fail_active(self.error)
             self._fail_pending()
         finally:
-            flush = getattr(getattr(self, "prompt_cache", None), "flush", None)
-            if flush is not None:
+            if hasattr(self, "prompt_cache"):  # (not when the load failed)
                 try:  # the disk tier keeps what memory held, for the next worker
-                    flush()
+                    self.prompt_cache.flush()
                 except Exception:  # noqa: BLE001
                     log.exception("writing the prompt cache to disk failed")
             # Free MLX objects on the thread that made them.
