@@ -179,9 +179,22 @@ def write_checkpoint(out_dir: Path, tok, shape: dict[str, int], weights: dict,
         "mlxfleet": {"builtin": name, "format": BUILTIN_FORMAT},
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(ids, CHAT_TEMPLATE, context), indent=2))
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos], "pad_token_id": ids["<|endoftext|>"]}))
+    save_file({k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
+              str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
+    (out_dir / "README.md").write_text(readme)
+    return out_dir
+
+
+def tokenizer_config(ids: dict[str, int], chat_template: str, context: int) -> dict:
+    """``tokenizer_config.json`` for our BPE tokenizers: ChatML special tokens (``ids``:
+    token -> id), the tool and reasoning markers added but visible."""
     not_special = {"<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
                    "</tool_response>"}
-    tok_config = {
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": context,
         "eos_token": "<|im_end|>",
@@ -190,20 +203,13 @@ def write_checkpoint(out_dir: Path, tok, shape: dict[str, int], weights: dict,
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "added_tokens_decoder": {
             str(i): {"content": t, "special": t not in not_special, "lstrip": False,
                      "rstrip": False, "normalized": False, "single_word": False}
             for t, i in ids.items()
         },
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [eos], "pad_token_id": ids["<|endoftext|>"]}))
-    save_file({k: np.asarray(v, dtype=np.float32) for k, v in weights.items()},
-              str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
-    (out_dir / "README.md").write_text(readme)
-    return out_dir
 
 
 def write_encoder(out_dir: Path, name: str, hidden: int = 64, layers: int = 2,

@@ -40,7 +40,15 @@ def write_vlm(out_dir: Path, name: str) -> Path:
     from mlx_vlm.models import llava
     from safetensors.numpy import save_file
 
-    from .builtin import BUILTIN_FORMAT, SPECIAL_TOKENS, VOCAB_SIZE, _corpus, train_tokenizer
+    from .builtin import (
+        BUILTIN_FORMAT,
+        CONTEXT_LENGTH,
+        SPECIAL_TOKENS,
+        VOCAB_SIZE,
+        _corpus,
+        tokenizer_config,
+        train_tokenizer,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     specials = [*SPECIAL_TOKENS, IMAGE_TOKEN]
@@ -52,7 +60,7 @@ def write_vlm(out_dir: Path, name: str) -> Path:
     text = dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
                 intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10000.0,
-                max_position_embeddings=2048, tie_word_embeddings=True)
+                max_position_embeddings=CONTEXT_LENGTH, tie_word_embeddings=True)
     vision = dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=2,
                   intermediate_size=64, num_attention_heads=2, image_size=IMAGE_SIZE,
                   patch_size=PATCH_SIZE, projection_dim=32, num_channels=3,
@@ -85,17 +93,8 @@ def write_vlm(out_dir: Path, name: str) -> Path:
     mx.clear_cache()
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
 
-    not_special = {"<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
-                   "</tool_response>"}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {
-            str(i): {"content": t, "special": t not in not_special, "lstrip": False,
-                     "rstrip": False, "normalized": False, "single_word": False}
-            for t, i in ids.items()}}, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(ids, CHAT_TEMPLATE, CONTEXT_LENGTH), indent=2))
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     (out_dir / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
