@@ -145,6 +145,10 @@ def _add_server_commands(sub) -> None:
                    "(default: the API keys)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow a non-loopback bind without an API key")
+    p.add_argument("--node", help="fleets: this machine's name (a kind: Node manifest in "
+                   "the folder); unset: a single machine")
+    p.add_argument("--fleet-key", help="fleets: the shared key nodes send each other "
+                   "(MLXFLEET_FLEET_KEY)")
     p.add_argument("--rate-limit", type=int, help="requests per minute per client")
     p.add_argument("--timeout", type=float, help="request timeout in seconds (300)")
     p.add_argument("--max-body-mb", type=int, help="largest request body (32)")
@@ -244,7 +248,7 @@ def _run_serve(args) -> int:
         flags = dict(
             host=args.host, port=args.port, manifests_dir=args.manifests_dir,
             state_dir=args.state_dir, config_file=args.config_file, api_key=args.api_key,
-            admin_key=args.admin_key,
+            admin_key=args.admin_key, node=args.node, fleet_key=args.fleet_key,
             insecure=args.insecure, rate_limit=args.rate_limit, timeout=args.timeout,
             max_body_mb=args.max_body_mb, enable_metrics=args.enable_metrics,
             max_tokens=args.max_tokens, max_request_tokens=args.max_request_tokens,

@@ -140,6 +140,39 @@ class ParsersSpec(_Spec):
         return self
 
 
+class PlacementSpec(_Spec):
+    """Which nodes of a fleet may run the model (neither field: any node)."""
+
+    nodes: list[str] = Field(default_factory=list, description="the nodes allowed to run it")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="labels a node "
+                                          "must carry (all of them) to run it")
+
+
+class DistributedSpec(_Spec):
+    """One model sharded over several nodes with MLX distributed (rank 0 serves)."""
+
+    nodes: list[str] = Field(default_factory=list, description="the nodes that run its "
+                             "ranks, rank 0 first")
+    size: Optional[int] = Field(default=None, ge=2, le=16, description="how many nodes, "
+                                "chosen by placement (instead of nodes)")
+    backend: Literal["ring", "jaccl", "any"] = Field(
+        default="ring", description="mlx.distributed backend: ring (TCP), jaccl (RDMA over "
+        "Thunderbolt 5), any")
+    strategy: Literal["tensor", "pipeline"] = Field(
+        default="tensor", description="tensor parallel (the model's shard()) or pipeline "
+        "parallel (layers split between ranks)")
+    port: int = Field(default=43210, ge=1024, le=65535, description="first TCP port of the "
+                      "ring (one per rank)")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if bool(self.nodes) == (self.size is not None):
+            raise ValueError("set either nodes (a list of at least two nodes) or size")
+        if self.nodes and (len(self.nodes) < 2 or len(set(self.nodes)) != len(self.nodes)):
+            raise ValueError("nodes must name at least two different nodes")
+        return self
+
+
 class ModelSpec(_Spec):
     source: str = Field(min_length=1, description="HF repo id, local path, or builtin:NAME")
     task: Literal["generate", "embedding", "vision"] = Field(
@@ -161,6 +194,10 @@ class ModelSpec(_Spec):
     parsers: ParsersSpec = Field(default_factory=ParsersSpec)
     env: dict[str, str] = Field(default_factory=dict)
     trust_remote_code: bool = False
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="fleets: "
+                                     "the nodes that may run the model")
+    distributed: Optional[DistributedSpec] = Field(default=None, description="fleets: run "
+                                                   "the model sharded over several nodes")
 
     @field_validator("aliases")
     @classmethod
@@ -206,12 +243,66 @@ class Manifest(_Spec):
     def worker_hash(self) -> str:
         """Hash of the fields a running worker depends on: a change means a new worker.
 
-        Aliases, labels, keepAlive, preload and pinned are the gateway's and the
-        scheduler's business and change without a restart.
+        Aliases, labels, keepAlive, preload, pinned and placement are the gateway's and
+        the scheduler's business and change without a restart (a new placement moves the
+        model, which is a stop here and a start there).
         """
         s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
-                                          "priority"})
+                                          "priority", "placement"})
         return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+class NodeSpec(_Spec):
+    url: str = Field(min_length=1, description="where the node's gateway is reached by the "
+                     "other nodes, e.g. http://studio.local:8000")
+    memory: Optional[str] = Field(default=None, description="the most memory mlxfleet may "
+                                  "use there (12GB, 70%); unset: the node's own budget")
+    address: Optional[str] = Field(default=None, description="the host other nodes reach "
+                                   "for MLX distributed rings (default: the url's host)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"{v!r} must be an http(s) URL with a host, e.g. "
+                             "http://studio.local:8000")
+        return v.rstrip("/")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: Optional[str]) -> Optional[str]:
+        from .units import parse_memory
+
+        if v is not None:
+            parse_memory(v, 1 << 30)
+        return v
+
+    def memory_bytes(self, total: int) -> Optional[int]:
+        from .units import parse_memory
+
+        return parse_memory(self.memory, total) if self.memory is not None else None
+
+    @property
+    def host(self) -> str:
+        from urllib.parse import urlsplit
+
+        return self.address or urlsplit(self.url).hostname
+
+
+class NodeManifest(_Spec):
+    """One ``kind: Node`` document: a machine of the fleet."""
+
+    api_version: Literal["mlxfleet/v1"] = Field(alias="apiVersion")
+    kind: Literal["Node"]
+    metadata: Metadata
+    spec: NodeSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
 
 
 @dataclass
@@ -241,11 +332,12 @@ class LoadedManifest:
 
 @dataclass
 class FileResult:
-    """One file's models, or the errors that kept it from loading."""
+    """One file's models and nodes, or the errors that kept it from loading."""
 
     file: str
     models: list[LoadedManifest] = field(default_factory=list)
     errors: list[ManifestError] = field(default_factory=list)
+    nodes: list[NodeManifest] = field(default_factory=list)
 
 
 def _field_path(loc: tuple) -> str:
@@ -294,7 +386,10 @@ def parse_text(text: str, file: str) -> FileResult:
             res.errors.append(ManifestError(file, "a document must be a mapping", i))
             continue
         try:
-            res.models.append(LoadedManifest(Manifest.model_validate(doc), file, i))
+            if doc.get("kind") == "Node":
+                res.nodes.append(NodeManifest.model_validate(doc))
+            else:
+                res.models.append(LoadedManifest(Manifest.model_validate(doc), file, i))
         except ValidationError as e:
             res.errors.extend(_validation_errors(file, i, e))
     return res
@@ -340,9 +435,16 @@ def check_unique(results: list[FileResult], owners: frozenset[str] = frozenset()
     models already run) keep what they hold; otherwise the earlier file in name order wins.
     A clash is an error of the newcomer, whatever the file names."""
     owner: dict[str, str] = {}  # name or alias -> "file (document N)"
+    nodes: dict[str, str] = {}  # node name -> file
     for res in sorted(results, key=lambda r: r.file not in owners):
         if res.errors:
             continue
+        for node in res.nodes:
+            if node.name in nodes:
+                res.errors.append(ManifestError(res.file, f"node {node.name!r} is already "
+                                                f"defined by {nodes[node.name]}",
+                                                field="metadata.name"))
+            nodes[node.name] = res.file
         for lm in res.models:
             here = f"{lm.file} (document {lm.document})"
             keys = [("metadata.name", lm.manifest.name)] + [

@@ -23,6 +23,8 @@ async def serve(settings: ServerSettings) -> None:
         raise SystemExit(f"error: refusing to serve on {settings.host} (not loopback) without "
                          "an API key: anyone who can reach the port would get a free LLM. "
                          "Set --api-key (or MLXFLEET_API_KEY), or pass --insecure.")
+    if settings.node:
+        _check_node(settings)
     _check_port(settings.host, settings.port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -78,6 +80,26 @@ def _mcp_manager(settings: ServerSettings):
         if s.error:
             log.error("MCP server %s: %s", s.name, s.error)
     return MCPManager(servers, settings.mcp_call_timeout, settings.mcp_max_result_kb << 10)
+
+
+def _check_node(settings: ServerSettings) -> None:
+    """A node must be named by a Node manifest, and must not talk to other nodes in the
+    clear without a fleet key."""
+    from .api.guard import is_loopback
+    from .manifest import load_paths
+
+    if (settings.api_keys or not is_loopback(settings.host)) and not settings.fleet_key:
+        why = "binds beyond loopback" if not is_loopback(settings.host) else "has API keys"
+        raise SystemExit(f"error: node {settings.node} {why} but has no fleet key: other "
+                         "nodes could not be told apart from anyone who reaches the port. "
+                         "Set --fleet-key (or MLXFLEET_FLEET_KEY), the same on every node.")
+    results = load_paths([settings.manifests_dir]) if settings.manifests_dir.is_dir() else []
+    nodes = {n.name: n for r in results for n in r.nodes}
+    if settings.node not in nodes:
+        known = ", ".join(sorted(nodes)) or "none"
+        raise SystemExit(f"error: no kind: Node manifest named {settings.node!r} in "
+                         f"{settings.manifests_dir} (nodes there: {known}). Add one with "
+                         "metadata.name and spec.url, or start without --node.")
 
 
 def _check_port(host: str, port: int) -> None:

@@ -79,6 +79,14 @@ class ServerSettings(BaseSettings):
     admin_key: Optional[str] = Field(None, description="key(s) for control-API writes "
                                      "(apply, delete, load, unload); unset: the API keys")
     insecure: bool = Field(False, description="allow a non-loopback bind without an API key")
+    node: Optional[str] = Field(None, description="fleets: this machine's name, a kind: Node "
+                                "manifest in the folder (unset: a single machine)")
+    fleet_key: Optional[str] = Field(None, description="fleets: the key nodes send each other; "
+                                     "required when a node binds beyond loopback")
+    fleet_grace: float = Field(15.0, gt=0, description="fleets: seconds a node may go "
+                               "unanswered before its models move to other nodes")
+    fleet_poll_interval: float = Field(2.0, gt=0, description="fleets: seconds between polls "
+                                       "of the other nodes")
     rate_limit: int = Field(0, ge=0, description="requests per minute per client; 0 = off")
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")

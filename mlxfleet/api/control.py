@@ -15,12 +15,33 @@ from ..wire import APIError, streaming_response
 
 
 def _runtime(supervisor: Any, name: str):
-    rt = supervisor.models.get(name) or supervisor.resolve(name)
+    rt = supervisor.get(name) or supervisor.resolve(name)
     if rt is None:
         raise APIError(404, f"No model named '{name}'. Known: "
-                       f"{', '.join(supervisor.names()) or 'none'}.", type="not_found_error",
-                       code="model_not_found")
+                       f"{', '.join(supervisor.all_names()) or 'none'}.",
+                       type="not_found_error", code="model_not_found")
     return rt
+
+
+async def _on_node(supervisor: Any, rt: Any, method: str, path: str):
+    """Ask the node that runs a remote model (load, unload, describe, logs), as if the
+    client had asked it: its answer, status and all."""
+    import httpx
+    from quart import Response
+
+    rt.check()
+    fleet = supervisor.fleet
+    url = fleet.url(rt.node) + "/mlxfleet/v1" + path
+    try:
+        r = await fleet.client.request(method, url, headers=fleet.headers(),
+                                       params={k: v for k, v in request.args.items()
+                                               if k != "follow"}, timeout=httpx.Timeout(
+                                           supervisor.settings.startup_timeout, connect=5))
+    except httpx.HTTPError as e:
+        raise APIError(503, f"Node '{rt.node}' does not answer: {e or type(e).__name__}",
+                       code="node_unreachable") from None
+    return Response(r.content, status=r.status_code,
+                    content_type=r.headers.get("content-type", "application/json"))
 
 
 def tail_lines(path: Path, n: int) -> list[str]:
@@ -54,18 +75,34 @@ def register_control(app: Quart, supervisor: Any) -> None:
     @app.get(f"{base}/models")
     async def list_models():
         errors = {f: [str(e) for e in errs] for f, errs in supervisor.file_errors.items()}
-        return {"items": [supervisor.models[n].status() for n in supervisor.names()],
+        return {"items": [rt.status() for rt in supervisor.entries()],
                 "manifestErrors": errors, "memory": supervisor.memory_status()}
+
+    @app.get(f"{base}/node")
+    async def node():
+        """This node's report to the others of its fleet (the guard asks for the key)."""
+        if supervisor.fleet is None:
+            raise APIError(404, "This server is not a node of a fleet (start it with --node).",
+                           type="not_found_error", code="not_a_node")
+        return supervisor.node_report()
+
+    @app.get(f"{base}/nodes")
+    async def nodes():
+        return {"items": supervisor.nodes_status(), "node": supervisor.node_name}
 
     @app.post(f"{base}/models/<name>/load")
     async def load(name: str):
         rt = _runtime(supervisor, name)
+        if rt.remote:
+            return await _on_node(supervisor, rt, "POST", f"/models/{rt.name}/load")
         await supervisor.ready(rt, time.monotonic() + supervisor.settings.startup_timeout)
         return rt.status()
 
     @app.post(f"{base}/models/<name>/unload")
     async def unload(name: str):
         rt = _runtime(supervisor, name)
+        if rt.remote:
+            return await _on_node(supervisor, rt, "POST", f"/models/{rt.name}/unload")
         await supervisor.unload(rt)
         return rt.status()
 
@@ -76,6 +113,8 @@ def register_control(app: Quart, supervisor: Any) -> None:
     @app.get(f"{base}/models/<name>/logs")
     async def logs(name: str):
         rt = _runtime(supervisor, name)
+        if rt.remote:  # a remote model's log is tailed once, not followed
+            return await _on_node(supervisor, rt, "GET", f"/models/{rt.name}/logs")
         try:
             n = int(request.args.get("tail", "100"))
         except ValueError:
@@ -119,7 +158,7 @@ def register_control(app: Quart, supervisor: Any) -> None:
 
     @app.delete(f"{base}/models/<name>")
     async def delete(name: str):
-        if name not in supervisor.models:
+        if supervisor.get(name) is None:
             _runtime(supervisor, name)  # 404 with the known names
         f = await asyncio.to_thread(delete_model, supervisor.manifests_dir, name)
         if f is None:

@@ -55,7 +55,8 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=settings.body_timeout,
                       MAX_CONTENT_LENGTH=settings.max_body_mb << 20)
     install_error_handlers(app)
-    install_guard(app, settings.api_keys, settings.rate_limit, settings.admin_keys)
+    install_guard(app, settings.api_keys, settings.rate_limit, settings.admin_keys,
+                  settings.fleet_key, fleet=bool(settings.node))
     metrics = Metrics(supervisor)
     store = ResponseStore(settings.responses_store_max, settings.responses_store_mb << 20,
                           settings.responses_ttl)
@@ -75,12 +76,15 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
 
     @app.get("/v1/models")
     async def models():
+        """Every model of the fleet; ``node`` says which node runs it (null on a single
+        machine, and for a model no node can run)."""
         data = []
-        for n in supervisor.names():
-            rt = supervisor.models[n]
-            data.append({"id": n, "object": "model", "created": int(rt.created or started),
-                         "owned_by": "mlxfleet", "state": rt.phase.value, "ready": rt.ready,
-                         "aliases": list(rt.manifest.spec.aliases)})
+        for rt in supervisor.entries():
+            data.append({"id": rt.name, "object": "model",
+                         "created": int(rt.created or started), "owned_by": "mlxfleet",
+                         "state": rt.phase.value, "ready": rt.ready,
+                         "aliases": list(rt.manifest.spec.aliases),
+                         "node": rt.node if rt.remote else supervisor.node_name})
         return {"object": "list", "data": data}
 
     async def forward() -> Response:
@@ -94,10 +98,12 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["X-Request-Id"] = g.request_id
         rt = supervisor.resolve(model)
+        if rt is not None and rt.remote and g.get("forwarded_by"):
+            raise _moved(rt, supervisor.node_name)
         timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
         deadline = time.monotonic() + timeout
         ollama = request.path.startswith("/api/")
-        if ollama:
+        if ollama and not (rt is not None and rt.remote):  # remote: that node does it
             done = await load_or_unload(supervisor, request.path, body, model, keep_alive,
                                         deadline)
             if done is not None:
@@ -119,7 +125,8 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
 
         target = (request.method, request.path, raw, headers)
         acquire = supervisor.acquire(model, deadline, keep_alive)
-        if rt is not None and not rt.ready and body.get("stream") is True and not ollama:
+        if rt is not None and not rt.remote and not rt.ready and body.get("stream") is True \
+                and not ollama:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             tag_model(rt.name)
@@ -185,6 +192,16 @@ async def _ask_worker(supervisor: Any, model: str, deadline: float, keep_alive: 
                        type=err.get("type") or "server_error", param=err.get("param"),
                        code=err.get("code"))
     return data
+
+
+def _moved(rt: Any, me: str) -> APIError:
+    """A request another node forwarded here for a model this node does not run: the
+    nodes' placements disagree for a moment (a node just came or went). It is refused,
+    never forwarded again, so requests cannot go round in circles."""
+    where = f"node '{rt.node}'" if rt.node else "no node"
+    return AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node '{me}' that "
+                          "this request was forwarded to; the nodes are updating their "
+                          "placement, retry shortly.", "model_moved", retry_after=1)
 
 
 def _keep_alive(value: Any) -> float:

@@ -61,9 +61,11 @@ _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
 
 def install_guard(app: Quart, api_keys: list[str], rate_limit: int,
-                  admin_keys: Optional[list[str]] = None) -> None:
+                  admin_keys: Optional[list[str]] = None, fleet_key: Optional[str] = None,
+                  fleet: bool = False) -> None:
     """Client keys for inference and reads; admin keys (default: the client keys) for
-    control-API writes, which without any key are accepted from loopback only."""
+    control-API writes, which without any key are accepted from loopback only. In a
+    fleet, other nodes present the fleet key instead (they checked their client's key)."""
     limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
     admin_keys = admin_keys or []
     any_key = api_keys + [k for k in admin_keys if k not in api_keys]
@@ -75,6 +77,12 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int,
         path = request.path
         if path in OPEN_ROUTES or path == "/" or path.startswith("/ui/"):
             return None  # liveness, metrics and the dashboard's static files
+        if fleet and _from_node(fleet_key):
+            return None  # another node of the fleet: it admitted the client already
+        if path == NODE_ROUTE and fleet_key:
+            raise APIError(401, "This route is for the other nodes of the fleet: send the "
+                           "fleet key in X-Mlxfleet-Fleet-Key.", type="authentication_error",
+                           code="invalid_fleet_key")
         key = presented_key()
         if api_keys and not key_ok(key, any_key):  # inference and reads
             raise APIError(401, "Invalid or missing API key. Send it as 'Authorization: "
@@ -97,6 +105,28 @@ def install_guard(app: Quart, api_keys: list[str], rate_limit: int,
     async def _request_id(response):
         response.headers["X-Request-Id"] = getattr(g, "request_id", "")
         return response
+
+
+NODE_ROUTE = "/mlxfleet/v1/node"
+
+
+def _from_node(fleet_key: Optional[str]) -> bool:
+    """Whether another node sent this request: it says so, and carries the fleet key
+    when one is set (a wrong or missing key is a 401, never a silent downgrade)."""
+    from ..supervisor.fleet import FLEET_KEY_HEADER, FORWARDED_HEADER
+
+    sender = request.headers.get(FORWARDED_HEADER)
+    given = request.headers.get(FLEET_KEY_HEADER)
+    if sender is None and given is None:
+        return False
+    if fleet_key and not key_ok(given, [fleet_key]):
+        raise APIError(401, "Invalid or missing fleet key (X-Mlxfleet-Fleet-Key): nodes of "
+                       "a fleet must share MLXFLEET_FLEET_KEY.", type="authentication_error",
+                       code="invalid_fleet_key")
+    if not fleet_key and not is_loopback(request.remote_addr or ""):
+        return False  # no key: only nodes on this machine are taken at their word
+    g.forwarded_by = request_id(sender) if sender else None
+    return True
 
 
 def _control_write(key: Optional[str], admin_keys: list[str]) -> None:

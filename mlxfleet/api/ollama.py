@@ -84,9 +84,8 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
     @app.get("/api/tags")
     async def tags():
         models = []
-        for n in supervisor.names():
-            rt = supervisor.models[n]
-            for name in (n, *rt.manifest.spec.aliases):
+        for rt in supervisor.entries():  # the whole fleet
+            for name in (rt.name, *rt.manifest.spec.aliases):
                 if not is_pattern(name):  # claude-* is a route, not a model to list
                     models.append(_entry(rt, name))
         return {"models": models}

@@ -158,9 +158,14 @@ class Acquire:
     async def _get(self) -> Lease:
         rt = self.sup.resolve(self.model)
         if rt is None:
-            known = ", ".join(self.sup.names() + sorted(self.sup.aliases)) or "none"
+            known = ", ".join(self.sup.all_names() + sorted(self.sup.aliases)) or "none"
             raise AdmissionError(404, f"The model '{self.model}' does not exist. Available "
                                  f"models: {known}.", "model_not_found", param="model")
+        if rt.remote:  # another node admits it, loading the model there if needed
+            rt.check()
+            lease = Lease(self.sup, rt, self.deadline)
+            lease._take()
+            return lease
         if self.keep_alive is not None:
             rt.keep_alive_override = self.keep_alive
         if rt.ready and rt.want_loaded:

@@ -76,6 +76,9 @@ def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Ap
     new = parse_text(text, source_name)
     if new.errors:
         raise ApplyError(new.errors)
+    if new.nodes:
+        raise ApplyError([ManifestError(source_name, "Node manifests are not applied: write "
+                                        "them as files in the manifests folder of every node")])
     if not new.models:
         raise ApplyError([ManifestError(source_name, "no Model documents found")])
     new_spans = _doc_spans(text)

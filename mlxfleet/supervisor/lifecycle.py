@@ -23,6 +23,8 @@ class ModelPhase(str, Enum):
     FAILED = "Failed"  # an on-demand load failed; the next request retries after the backoff
     TERMINATING = "Terminating"  # the manifest is gone: stopping for good
     STOPPED = "Stopped"
+    UNSCHEDULABLE = "Unschedulable"  # fleets: no allowed node is healthy or big enough
+    UNKNOWN = "Unknown"  # fleets: the node that runs it does not answer
 
     __str__ = str.__str__
     __format__ = str.__format__

@@ -42,6 +42,8 @@ log = logging.getLogger("mlxfleet.supervisor")
 class ModelRuntime(StatusRecord, MemoryAccount):
     """The supervisor's record of one model: desired manifest, workers, status."""
 
+    remote = False  # a model this node runs (``remote.RemoteModel`` is one it routes)
+
     def __init__(self, manifest: Manifest, file: str, supervisor: Any):
         super().__init__(manifest.name)
         self.manifest = manifest
@@ -219,6 +221,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         exp = expires_at(self.last_used, ka, self.inflight > 0) if self.ready else None
         return {
             "name": self.name, "source": spec.source, "aliases": list(spec.aliases),
+            "node": self.sup.node_name,
             "labels": dict(self.manifest.metadata.labels), "file": self.file,
             "phase": self.phase.value, "ready": self.ready, "loaded": self.holds_memory,
             "generation": self.generation, "observedGeneration": self.observed_generation,

@@ -7,11 +7,19 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from ..manifest import FileResult, LoadedManifest, ManifestError, is_pattern, load_paths
+from ..manifest import (
+    FileResult,
+    LoadedManifest,
+    ManifestError,
+    NodeManifest,
+    is_pattern,
+    load_paths,
+)
 from ..settings import ServerSettings
 from ..units import fmt_bytes
 from .admission import Acquire, AdmissionError, until_ready
@@ -76,6 +84,18 @@ class Supervisor:
         self._idle = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.memory_budget, self.memory_budget_source = settings.memory_budget_bytes()
+        self._own_budget = (self.memory_budget, self.memory_budget_source)
+        # Fleets (--node): the other nodes, placement, and the models they run.
+        self.node_name: Optional[str] = settings.node
+        self.fleet = None
+        if settings.node:
+            from .fleet import Fleet
+
+            self.fleet = Fleet(settings.node, settings)
+        self.remote: dict[str, Any] = {}  # RemoteModel by name
+        self._wanted: dict[str, LoadedManifest] = {}  # every model of the folder
+        self._last_good_nodes: dict[str, list[NodeManifest]] = {}
+        self._estimates: dict[str, int] = {}
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -89,8 +109,14 @@ class Supervisor:
         if not self.manifests_dir.exists():
             log.warning("manifests folder %s does not exist; creating it", self.manifests_dir)
             self.manifests_dir.mkdir(parents=True)
+        if self.fleet is not None:  # hear from the other nodes before placing anything
+            results = await asyncio.to_thread(load_paths, [self.manifests_dir])
+            self.fleet.set_nodes(self._nodes(results))
+            await self.fleet.poll_once(timeout=2.0)
         await self.reload()
         self._watch_task = asyncio.create_task(self._watch())
+        if self.fleet is not None:
+            self._spawn(self._fleet_loop())
 
     async def stop(self) -> None:
         if self._watch_task:
@@ -104,6 +130,8 @@ class Supervisor:
         self.models.clear()
         if self.runtime_dir is not None:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.fleet is not None:
+            await self.fleet.close()
 
     # ---- workers ---------------------------------------------------------
 
@@ -138,24 +166,39 @@ class Supervisor:
     # ---- routing ---------------------------------------------------------
 
     def resolve(self, model: str) -> Optional[ModelRuntime]:
-        """The runtime for a model name or alias, if any. ``NAME:latest`` (how Ollama's
-        clients name a model) is NAME unless something is called that exactly."""
-        rt = self.models.get(model)
-        if rt is None and model in self.aliases:
-            rt = self.models.get(self.aliases[model])
-        if rt is None:  # glob aliases (claude-*) after every exact name and alias
+        """The runtime for a model name or alias, if any (in a fleet, a ``RemoteModel``
+        for a model another node runs). ``NAME:latest`` (how Ollama's clients name a
+        model) is NAME unless something is called that exactly."""
+        name = model if model in self.models or model in self.remote else \
+            self.aliases.get(model)
+        if name is None:  # glob aliases (claude-*) after every exact name and alias
             from fnmatch import fnmatchcase
 
-            for pattern, name in sorted(self.patterns.items()):
+            for pattern, target in sorted(self.patterns.items()):
                 if fnmatchcase(model, pattern):
-                    rt = self.models.get(name)
+                    name = target
                     break
+        rt = self.get(name) if name else None
         if rt is None and model.endswith(":latest"):
             return self.resolve(model[:-len(":latest")])
+        return rt
+
+    def get(self, name: str) -> Any:
+        """The local runtime or remote model called exactly ``name``, if any."""
+        rt = self.models.get(name) or self.remote.get(name)
         return rt if rt is not None and not rt.removed else None
 
     def names(self) -> list[str]:
+        """The models this node runs."""
         return sorted(n for n, rt in self.models.items() if not rt.removed)
+
+    def all_names(self) -> list[str]:
+        """Every model of the fleet (of this node alone when it is not in one)."""
+        return sorted(set(self.names()) | set(self.remote))
+
+    def entries(self) -> list[Any]:
+        """Every model of the fleet, local runtimes and remote models, by name."""
+        return [self.get(n) for n in self.all_names()]
 
     # ---- reconcile -------------------------------------------------------
 
@@ -198,30 +241,192 @@ class Supervisor:
                 for e in r.errors:
                     log.error("manifest error: %s", e)
             desired = self._desired(results, owners)
-            actions = plan({n: lm.manifest.worker_hash() for n, lm in desired.items()},
-                           {n: rt.manifest.worker_hash() for n, rt in self.models.items()})
-            for name, action in sorted(actions.items()):
-                lm = desired.get(name)
-                if action is Action.CREATE:
-                    log.info("%s: creating (%s)", name, lm.manifest.spec.source)
-                    self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self)
-                    if lm.manifest.spec.preload:
-                        self._spawn(self._preload(rt))
-                elif action in (Action.KEEP, Action.REPLACE):
-                    rt = self.models[name]
-                    was = rt.manifest.spec.preload
-                    rt.update(lm.manifest, lm.file, restart=action is Action.REPLACE)
-                    if lm.manifest.spec.preload and not was:
-                        self._spawn(self._preload(rt))
-                elif action is Action.DELETE:
-                    self._delete(name)
-            self.aliases = {a: n for n, lm in desired.items() for a in lm.manifest.spec.aliases
-                            if not is_pattern(a)}
-            self.patterns = {a: n for n, lm in desired.items()
-                             for a in lm.manifest.spec.aliases if is_pattern(a)}
-            for rt in self.models.values():
-                errs = self.file_errors.get(rt.file)
-                rt.set_manifest_error("; ".join(map(str, errs)) if errs else None)
+            if self.fleet is not None:
+                self.fleet.set_nodes(self._nodes(results))
+                await self._measure(desired)
+            self._wanted = desired
+            self._apply()
+
+    def _apply(self) -> None:
+        """Act on the wanted models: in a fleet, those placed here run and the others
+        are routed to their nodes. Called with ``_lock`` held."""
+        desired = self._wanted
+        if self.fleet is not None:
+            desired = self._place(desired)
+        actions = plan({n: lm.manifest.worker_hash() for n, lm in desired.items()},
+                       {n: rt.manifest.worker_hash() for n, rt in self.models.items()})
+        for name, action in sorted(actions.items()):
+            lm = desired.get(name)
+            if action is Action.CREATE:
+                log.info("%s: creating (%s)", name, lm.manifest.spec.source)
+                self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self)
+                if lm.manifest.spec.preload:
+                    self._spawn(self._preload(rt))
+            elif action in (Action.KEEP, Action.REPLACE):
+                rt = self.models[name]
+                was = rt.manifest.spec.preload
+                rt.update(lm.manifest, lm.file, restart=action is Action.REPLACE)
+                if lm.manifest.spec.preload and not was:
+                    self._spawn(self._preload(rt))
+            elif action is Action.DELETE:
+                self._delete(name)
+        wanted = self._wanted
+        self.aliases = {a: n for n, lm in wanted.items() for a in lm.manifest.spec.aliases
+                        if not is_pattern(a)}
+        self.patterns = {a: n for n, lm in wanted.items()
+                         for a in lm.manifest.spec.aliases if is_pattern(a)}
+        for rt in self.models.values():
+            errs = self.file_errors.get(rt.file)
+            rt.set_manifest_error("; ".join(map(str, errs)) if errs else None)
+
+    # ---- fleet -------------------------------------------------------------
+
+    def _nodes(self, results: list[FileResult]) -> list[NodeManifest]:
+        """The Node manifests of the folder; a broken file keeps its last good nodes (a
+        typo must not make its nodes vanish and their models move)."""
+        present = {r.file for r in results}
+        for f in list(self._last_good_nodes):
+            if f not in present:
+                del self._last_good_nodes[f]
+        for r in results:
+            if not r.errors:
+                self._last_good_nodes[r.file] = r.nodes
+        seen: dict[str, NodeManifest] = {}
+        for f in sorted(self._last_good_nodes):
+            for n in self._last_good_nodes[f]:
+                seen.setdefault(n.name, n)
+        return list(seen.values())
+
+    async def _measure(self, desired: dict[str, LoadedManifest]) -> None:
+        """This node's memory estimate of every model (weights it can see on disk, KV
+        budget, worker overhead), reported to the other nodes."""
+        from ..sources import weight_bytes
+        from .worker_config import worker_config
+
+        def measure() -> dict[str, int]:
+            out = {}
+            for name, lm in desired.items():
+                spec = lm.manifest.spec
+                w = weight_bytes(spec.source, spec.revision) or 0
+                out[name] = (w + worker_config(lm.manifest, self.settings).cache_bytes
+                             + (self.settings.worker_overhead_mb << 20))
+            return out
+
+        self._estimates = await asyncio.to_thread(measure)
+
+    def _place(self, desired: dict[str, LoadedManifest]) -> dict[str, LoadedManifest]:
+        """Place every model; build a ``RemoteModel`` for those another node (or none)
+        runs; return the ones to run here."""
+        from .remote import RemoteModel
+
+        fleet = self.fleet
+        me = fleet.manifest
+        cap = me.spec.memory_bytes(_physical_memory()) if me is not None else None
+        self.memory_budget, self.memory_budget_source = (
+            (min(cap, self._own_budget[0]), f"node {me.name}: spec.memory {me.spec.memory}")
+            if cap is not None else self._own_budget)
+        if me is None:
+            log.warning("no Node manifest named %s in %s: this node runs no model and only "
+                        "routes", fleet.me, self.manifests_dir)
+        estimates = {n: fleet.estimate(lm, self._estimates.get(n)) for n, lm in desired.items()}
+        placements = fleet.place(desired, estimates, self.memory_budget) if me is not None \
+            else {}
+        local: dict[str, LoadedManifest] = {}
+        remote: dict[str, Any] = {}
+        for name, lm in desired.items():
+            p = placements.get(name)
+            if p is not None and p.node == fleet.me:
+                local[name] = lm
+                continue
+            if p is None:
+                from .placement import Placement
+
+                p = Placement(reason=f"node {fleet.me} has no Node manifest")
+            old = self.remote.get(name)
+            if old is not None and (old.placement, old.manifest) == (p, lm.manifest):
+                remote[name] = old
+            else:
+                if p.node is None:
+                    log.warning("%s: unschedulable: %s", name, p.reason)
+                elif name in self.models or old is None or old.node != p.node:
+                    log.info("%s: runs on node %s", name, p.node)
+                remote[name] = RemoteModel(lm.manifest, lm.file, p, fleet)
+        self.remote = remote
+        return local
+
+    async def _fleet_loop(self) -> None:
+        """Poll the other nodes; place again whenever what they say changes it."""
+        fleet = self.fleet
+        while True:
+            await asyncio.sleep(self.settings.fleet_poll_interval)
+            try:
+                await fleet.poll_once(timeout=max(1.0, self.settings.fleet_poll_interval))
+                async with self._lock:
+                    before = dict(fleet.placements)
+                    self._apply()
+                    if fleet.placements != before:
+                        log.info("placement changed: %s", ", ".join(
+                            f"{n} -> {p.node or 'none'}" for n, p in
+                            sorted(fleet.placements.items()) if before.get(n) != p))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bad report must not stop the fleet loop
+                log.exception("fleet update failed")
+
+    def node_report(self) -> dict[str, Any]:
+        """What this node tells the others (``GET /mlxfleet/v1/node``)."""
+        import platform
+
+        from .. import __version__
+        from ..units import iso
+        from .fleet import chip
+
+        fleet = self.fleet
+        mem = self.memory_status()
+        me = fleet.manifest if fleet else None
+        return {
+            "name": self.node_name, "url": me.spec.url if me else None,
+            "labels": dict(me.metadata.labels) if me else {}, "version": __version__,
+            "startedAt": iso(fleet.started_wall) if fleet else None,
+            "chip": _chip_cached(chip), "system": f"{platform.system()} {platform.machine()}",
+            "memory": {"capacityBytes": self.memory_budget, "usedBytes": mem["usedBytes"],
+                       "freeBytes": mem["freeBytes"], "totalBytes": _physical_memory()},
+            "holds": sorted(fleet.held) if fleet else self.names(),
+            "models": [self.models[n].status() for n in self.names()],
+            "estimates": self._estimates,
+            "placement": {n: list(p.nodes) for n, p in sorted(fleet.placements.items())}
+            if fleet else {},
+            "health": "ok",
+        }
+
+    def nodes_status(self) -> list[dict[str, Any]]:
+        """Every node as this one sees it (``get nodes``)."""
+        fleet = self.fleet
+        if fleet is None:
+            return []
+        out = []
+        for name, n in sorted(fleet.nodes.items()):
+            if name == fleet.me:
+                rep, seen, err = self.node_report(), 0.0, None
+            else:
+                p = fleet.peers[name]
+                rep, err = p.report or {}, p.error
+                seen = None if p.last_ok is None else time.monotonic() - p.last_ok
+            mem = rep.get("memory") or {}
+            cap = n.spec.memory_bytes(mem.get("totalBytes") or (1 << 40)) \
+                if n.spec.memory else mem.get("capacityBytes")
+            out.append({
+                "name": name, "url": n.spec.url, "labels": dict(n.metadata.labels),
+                "status": fleet.node_status(name), "self": name == fleet.me,
+                "models": sorted(m for m, p in fleet.placements.items() if name in p.nodes),
+                "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": cap,
+                           "totalBytes": mem.get("totalBytes")},
+                "chip": rep.get("chip"), "system": rep.get("system"),
+                "version": rep.get("version"), "startedAt": rep.get("startedAt"),
+                "lastSeenSecondsAgo": None if seen is None else round(seen, 1),
+                "error": err,
+            })
+        return out
 
     def _delete(self, name: str) -> None:
         rt = self.models.pop(name)
@@ -323,6 +528,21 @@ class Supervisor:
                 log.exception("watching %s failed; retrying", self.manifests_dir)
                 await asyncio.sleep(1)
             await self.reload()  # catch up with what changed while not watching
+
+
+def _physical_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+_CHIP: list[str] = []
+
+
+def _chip_cached(chip) -> str:
+    if not _CHIP:
+        _CHIP.append(chip())
+    return _CHIP[0]
 
 
 #: spec.env names that change what code a worker loads: refused unless the server allows them.

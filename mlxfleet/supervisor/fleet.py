@@ -1,0 +1,217 @@
+"""This node's view of the fleet: the Node manifests, the other nodes' reports, health.
+
+Each node polls every other node's ``/mlxfleet/v1/node`` (every
+``fleet_poll_interval`` seconds, with the fleet key) and keeps its last answer.
+From those answers and the manifests it builds the inputs of ``placement.place``;
+every node does the same, so every node computes the same placement. A node is
+healthy while it answered within ``fleet_grace`` seconds (a node that never
+answered counts as healthy for the first ``fleet_grace`` seconds after this one
+starts: starting nodes place models like everyone else, without waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+from ..manifest import LoadedManifest, NodeManifest
+from .placement import ModelView, NodeView, Placement, place
+
+log = logging.getLogger("mlxfleet.fleet")
+
+FLEET_KEY_HEADER = "X-Mlxfleet-Fleet-Key"
+#: Set on requests one node forwards to another: the receiver serves them itself or
+#: refuses, never forwards again (no loops while placements converge).
+FORWARDED_HEADER = "X-Mlxfleet-Forwarded-By"
+NODE_PATH = "/mlxfleet/v1/node"
+
+
+@dataclass
+class Peer:
+    """What this node knows of another node."""
+
+    manifest: NodeManifest
+    report: Optional[dict] = None  # its last answer
+    last_ok: Optional[float] = None  # monotonic
+    first_seen: float = field(default_factory=time.monotonic)
+    error: Optional[str] = None
+    failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+
+class Fleet:
+    """The fleet as seen from node ``me``: membership, health and placement inputs."""
+
+    def __init__(self, me: str, settings: Any):
+        self.me = me
+        self.settings = settings
+        self.key: Optional[str] = settings.fleet_key
+        self.grace = settings.fleet_grace
+        self.nodes: dict[str, NodeManifest] = {}
+        self.peers: dict[str, Peer] = {}
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.held: frozenset[str] = frozenset()  # models placed here by the last placement
+        self.placements: dict[str, Placement] = {}
+        self._estimates: dict[tuple[str, Optional[str]], int] = {}
+        self._client: Optional[httpx.AsyncClient] = None
+
+    # ---- membership --------------------------------------------------------
+
+    def set_nodes(self, nodes: list[NodeManifest]) -> None:
+        self.nodes = {n.name: n for n in nodes}
+        for name in list(self.peers):
+            if name not in self.nodes or name == self.me:
+                del self.peers[name]
+        for n in nodes:
+            if n.name == self.me:
+                continue
+            if n.name in self.peers:
+                self.peers[n.name].manifest = n
+            else:
+                self.peers[n.name] = Peer(n)
+
+    @property
+    def manifest(self) -> Optional[NodeManifest]:
+        return self.nodes.get(self.me)
+
+    def url(self, node: str) -> Optional[str]:
+        n = self.nodes.get(node)
+        return n.spec.url if n else None
+
+    def healthy(self, node: str) -> bool:
+        if node == self.me:
+            return True
+        p = self.peers.get(node)
+        if p is None:
+            return False
+        since = p.last_ok if p.last_ok is not None else max(self.started, p.first_seen)
+        return time.monotonic() - since < self.grace
+
+    def node_status(self, node: str) -> str:
+        """Ready (answering), NotReady (failing, within the grace period), Lost (its
+        models moved), Unknown (not answered yet)."""
+        if node == self.me:
+            return "Ready"
+        p = self.peers.get(node)
+        if p is None:
+            return "Unknown"
+        if p.failures == 0 and p.last_ok is not None:
+            return "Ready"
+        if not self.healthy(node):
+            return "Lost"
+        return "NotReady" if p.last_ok is not None else "Unknown"
+
+    # ---- placement ---------------------------------------------------------
+
+    def estimate(self, lm: LoadedManifest, local_bytes: Optional[int]) -> int:
+        """A model's memory estimate: the largest any node reports, so every node uses
+        the same number once the reports have gone round."""
+        best = local_bytes or 0
+        for p in self.peers.values():
+            if p.report:
+                best = max(best, int((p.report.get("estimates") or {}).get(lm.manifest.name)
+                                     or 0))
+        return best
+
+    def place(self, desired: Mapping[str, LoadedManifest], estimates: Mapping[str, int],
+              own_capacity: int) -> dict[str, Placement]:
+        """Placement of every desired model, remembered as what this node holds."""
+        views = []
+        for name, lm in desired.items():
+            spec = lm.manifest.spec
+            d = spec.distributed
+            views.append(ModelView(name, estimates.get(name, 0), tuple(spec.placement.nodes),
+                                   dict(spec.placement.node_selector),
+                                   tuple(d.nodes) if d else (),
+                                   (d.size or 1) if d and not d.nodes else 1))
+        self.placements = place(views, self.node_views(own_capacity))
+        self.held = frozenset(n for n, p in self.placements.items() if p.node == self.me)
+        return self.placements
+
+    def node_views(self, own_capacity: int) -> list[NodeView]:
+        out = []
+        for name, n in sorted(self.nodes.items()):
+            if name == self.me:
+                out.append(NodeView(name, dict(n.metadata.labels), own_capacity, True,
+                                    self.held))
+                continue
+            p = self.peers[name]
+            rep = p.report or {}
+            cap = n.spec.memory_bytes(int((rep.get("memory") or {}).get("totalBytes") or 0)
+                                      or (1 << 40)) if n.spec.memory else \
+                (rep.get("memory") or {}).get("capacityBytes")
+            out.append(NodeView(name, dict(n.metadata.labels), cap, self.healthy(name),
+                                frozenset(rep.get("holds") or ())))
+        return out
+
+    # ---- polling -----------------------------------------------------------
+
+    def headers(self) -> dict[str, str]:
+        h = {FORWARDED_HEADER: self.me}
+        if self.key:
+            h[FLEET_KEY_HEADER] = self.key
+        return h
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                             limits=httpx.Limits(max_keepalive_connections=32))
+        return self._client
+
+    async def poll_once(self, timeout: float) -> None:
+        await asyncio.gather(*(self._poll(p, timeout) for p in list(self.peers.values())))
+
+    async def _poll(self, p: Peer, timeout: float) -> None:
+        try:
+            r = await self.client.get(p.manifest.spec.url + NODE_PATH, headers=self.headers(),
+                                      timeout=timeout)
+            if r.status_code != 200:
+                raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
+            rep = r.json()
+            if rep.get("name") != p.name:
+                raise ValueError(f"{p.manifest.spec.url} answers as node "
+                                 f"{rep.get('name')!r}, not {p.name!r}")
+        except (httpx.HTTPError, ValueError) as e:
+            if p.failures == 0:
+                log.warning("node %s (%s) does not answer: %s", p.name, p.manifest.spec.url,
+                            e or type(e).__name__)
+            p.failures += 1
+            p.error = str(e) or type(e).__name__
+            return
+        if p.failures or p.last_ok is None:
+            log.info("node %s (%s) answers", p.name, p.manifest.spec.url)
+        p.report, p.last_ok, p.failures, p.error = rep, time.monotonic(), 0, None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def chip() -> str:
+    """The processor's name (Apple M2 Max, an x86 model name), for ``get nodes``."""
+    import subprocess
+    import sys
+
+    try:
+        if sys.platform == "darwin":
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True, timeout=2).stdout.strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.machine()

@@ -1,0 +1,148 @@
+"""Which node runs each model of a fleet. Pure and deterministic; no I/O.
+
+Every node computes placement itself from the same inputs (the manifests, which
+nodes are healthy, their capacity, and which node holds each model now), so all
+of them reach the same answer without a leader or a consensus store. The rules:
+
+1. A model may run on the nodes its ``placement`` allows (``nodes`` and
+   ``nodeSelector``; neither: any node), among those that are healthy and whose
+   capacity is at least the model's memory estimate.
+2. A model stays where it is (a healthy, allowed node that holds it) when it
+   still fits: models do not move back and forth when a node comes and goes.
+3. Otherwise it goes to the allowed node with the most free memory (capacity minus
+   the estimates already placed there), ties broken by name. Biggest models are
+   placed first.
+4. A model no allowed node can take is unschedulable, with the reason.
+
+A distributed model (``spec.distributed``) is placed on several nodes at once
+(rank 0 first), each holding an equal share of its estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as placement sees it."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    capacity: Optional[int] = None  # bytes mlxfleet may use there; None: not known yet
+    healthy: bool = True
+    holds: frozenset[str] = frozenset()  # models it runs (or is assigned) now
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """A model as placement sees it."""
+
+    name: str
+    estimate: int = 0  # bytes
+    nodes: tuple[str, ...] = ()  # allowed nodes; empty: any
+    selector: Mapping[str, str] = field(default_factory=dict)
+    ranks: tuple[str, ...] = ()  # distributed over exactly these nodes
+    size: int = 1  # distributed over this many nodes, chosen here
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model runs: ``nodes[0]`` serves it; more than one node for sharded models.
+    No nodes: unschedulable, and ``reason`` says why."""
+
+    nodes: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def node(self) -> Optional[str]:
+        return self.nodes[0] if self.nodes else None
+
+
+def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, Placement]:
+    """The node(s) of every model, or why it has none."""
+    by_name = {n.name: n for n in nodes}
+    free = {n.name: n.capacity for n in nodes}
+    out: dict[str, Placement] = {}
+    todo: list[tuple[ModelView, list[NodeView]]] = []
+    for m in models:
+        allowed = [n for n in sorted(nodes, key=lambda n: n.name) if _allowed(m, n)]
+        if not allowed or any(r not in by_name for r in m.ranks):
+            out[m.name] = Placement(reason=_no_match(m, by_name))
+            continue
+        share = _share(m)
+        healthy = [n for n in allowed if n.healthy]
+        fits = [n for n in healthy if n.capacity is None or share <= n.capacity]
+        need = len(m.ranks) or m.size
+        if len(fits) < need:
+            out[m.name] = Placement(reason=_why_not(m, allowed, healthy, share, need))
+        elif m.ranks:  # the ranks are named: the only choice is whether they can run
+            out[m.name] = Placement(tuple(m.ranks))
+            _take(free, m.ranks, share)
+        else:
+            todo.append((m, fits))
+    # Models stay where they are first, so newcomers cannot push them away.
+    rest = []
+    for m, fits in todo:
+        holders = [n.name for n in fits if m.name in n.holds]
+        if len(holders) >= m.size:
+            out[m.name] = Placement(tuple(holders[:m.size]))
+            _take(free, holders[:m.size], _share(m))
+        else:
+            rest.append((m, fits))
+    for m, fits in sorted(rest, key=lambda t: (-t[0].estimate, t[0].name)):
+        best = sorted(fits, key=lambda n: (_free_key(free[n.name]), n.name))[:m.size]
+        out[m.name] = Placement(tuple(n.name for n in best))
+        _take(free, [n.name for n in best], _share(m))
+    return out
+
+
+def _allowed(m: ModelView, n: NodeView) -> bool:
+    if m.ranks:
+        return n.name in m.ranks
+    if m.nodes and n.name not in m.nodes:
+        return False
+    return all(n.labels.get(k) == v for k, v in m.selector.items())
+
+
+def _share(m: ModelView) -> int:
+    return -(-m.estimate // max(len(m.ranks) or m.size, 1))
+
+
+def _take(free: dict[str, Optional[int]], names, share: int) -> None:
+    for name in names:
+        if free[name] is not None:
+            free[name] -= share
+
+
+def _free_key(free: Optional[int]) -> float:
+    """Most free memory first; a node whose capacity is not known yet comes last."""
+    return float("inf") if free is None else -free
+
+
+def _no_match(m: ModelView, nodes: Mapping[str, NodeView]) -> str:
+    if m.ranks:
+        missing = [r for r in m.ranks if r not in nodes]
+        return f"no Node manifest for {', '.join(missing)} (spec.distributed.nodes)"
+    asked = []
+    if m.nodes:
+        asked.append(f"nodes {', '.join(m.nodes)}")
+    if m.selector:
+        asked.append("nodeSelector " + ", ".join(f"{k}={v}" for k, v in m.selector.items()))
+    return f"no node matches its placement ({'; '.join(asked)})"
+
+
+def _why_not(m: ModelView, allowed: list[NodeView], healthy: list[NodeView], share: int,
+             need: int) -> str:
+    down = [n.name for n in allowed if not n.healthy]
+    if len(healthy) < need:
+        return (f"needs {need} healthy node{'s' if need > 1 else ''} of "
+                f"{', '.join(n.name for n in allowed)}; down: {', '.join(down)}")
+    biggest = max(healthy, key=lambda n: (n.capacity or 0, n.name))
+    what = f"needs {fmt_bytes(share)}" + (f" on each of {need} nodes" if need > 1 else "")
+    return (f"{what}, more than any allowed node can hold (the largest, {biggest.name}, has "
+            f"{fmt_bytes(biggest.capacity)})" + (f"; down: {', '.join(down)}" if down else ""))

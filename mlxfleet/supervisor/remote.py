@@ -1,0 +1,168 @@
+"""Models that another node of the fleet runs: the worker interface over HTTP.
+
+A ``RemoteModel`` stands where a ``ModelRuntime`` would for a model placed on
+another node. Its ``RemoteWorker`` is a ``WorkerHandle`` whose ``forward`` sends
+the request to that node's gateway, which admits it, loads the model on demand
+and streams the answer back; the gateway here relays it like any worker's. The
+other node owns the model's lifecycle (keep-alive, memory, restarts); this one
+only routes, and shows the status that node reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import httpx
+
+from ..manifest import Manifest
+from .admission import AdmissionError
+from .fleet import Fleet
+from .handle import InflightCounter, WorkerFailed
+from .lifecycle import ModelPhase
+from .placement import Placement
+
+
+class RemoteWorker(InflightCounter):
+    """Another node's gateway, as a worker of one model (a ``WorkerHandle``)."""
+
+    def __init__(self, fleet: Fleet, node: str, spec_hash: str):
+        super().__init__()
+        self.fleet, self.node, self.spec_hash = fleet, node, spec_hash
+        self.ready_at: Optional[float] = time.monotonic()
+        self.started_at: Optional[float] = self.ready_at
+        self.stopping = False
+
+    pid = None
+    returncode = None
+
+    @property
+    def alive(self) -> bool:
+        return self.fleet.healthy(self.node)
+
+    async def spawn(self) -> None:  # the other node starts it
+        return None
+
+    async def wait_ready(self, timeout: float) -> tuple[bool, str]:
+        return self.alive, "" if self.alive else f"node {self.node} is down"
+
+    async def wait_exit(self) -> Optional[int]:
+        return None
+
+    async def forward(self, method: str, path: str, body: bytes,
+                      headers: dict[str, str]) -> httpx.Response:
+        url = self.fleet.url(self.node)
+        client = self.fleet.client
+        req = client.build_request(method, url + path, content=body,
+                                   headers={**headers, **self.fleet.headers()})
+        try:
+            return await client.send(req, stream=True)
+        except httpx.ConnectError as e:
+            raise AdmissionError(503, f"Node '{self.node}' ({url}) is unreachable: {e}. Its "
+                                 "models move to other nodes once it has been down for "
+                                 f"{self.fleet.grace:g}s, where their placement allows.",
+                                 "node_unreachable", retry_after=self.fleet.grace) from None
+        except httpx.TransportError as e:
+            raise WorkerFailed(f"node {self.node}: {e or type(e).__name__}") from None
+
+    async def get_json(self, path: str, timeout: float) -> Optional[dict]:
+        return None
+
+    def memory_bytes(self) -> Optional[int]:
+        return None
+
+    async def stop(self, drain_timeout: float, stop_timeout: float) -> Optional[int]:
+        return None
+
+    def kill(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class RemoteModel:
+    """A model of the fleet served by another node, or by none (unschedulable)."""
+
+    remote = True
+    removed = False
+    want_loaded = True
+    waiters = 0
+    keep_alive_override: Optional[float] = None
+
+    def __init__(self, manifest: Manifest, file: str, placement: Placement, fleet: Fleet):
+        self.manifest, self.file, self.placement, self.fleet = manifest, file, placement, fleet
+        self.created = time.time()
+        self.worker = RemoteWorker(fleet, placement.node, manifest.worker_hash()) \
+            if placement.node else None
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def node(self) -> Optional[str]:
+        return self.placement.node
+
+    def reported(self) -> dict:
+        """The serving node's last status of this model (empty before it reports)."""
+        p = self.fleet.peers.get(self.node or "")
+        for st in ((p.report or {}).get("models") or []) if p else []:
+            if st.get("name") == self.name:
+                return st
+        return {}
+
+    @property
+    def phase(self) -> ModelPhase:
+        if self.node is None:
+            return ModelPhase.UNSCHEDULABLE
+        if not self.fleet.healthy(self.node) or self.fleet.peers[self.node].failures:
+            return ModelPhase.UNKNOWN
+        try:
+            return ModelPhase(self.reported().get("phase"))
+        except ValueError:
+            return ModelPhase.UNKNOWN
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.reported().get("ready")) and self.phase is ModelPhase.READY
+
+    @property
+    def inflight(self) -> int:
+        return int(self.reported().get("inflight") or 0)
+
+    @property
+    def weight_bytes(self) -> Optional[int]:
+        return (self.reported().get("memory") or {}).get("weightBytes")
+
+    @property
+    def keep_alive(self) -> float:
+        ka = self.reported().get("keepAlive")
+        return float("inf") if ka == "forever" else float(ka or 0)
+
+    def check(self) -> None:
+        """Raise the 503 a request for this model gets when no node can serve it."""
+        if self.node is None:
+            raise AdmissionError(503, f"Model '{self.name}' cannot run on any node: "
+                                 f"{self.placement.reason}.", "model_unschedulable",
+                                 retry_after=max(5, self.fleet.grace))
+
+    def begin(self) -> RemoteWorker:
+        self.worker.acquire()
+        return self.worker
+
+    def end(self, w: RemoteWorker) -> None:
+        w.release()
+
+    def status(self) -> dict[str, Any]:
+        st = dict(self.reported())
+        spec = self.manifest.spec
+        st.update({"name": self.name, "source": spec.source, "aliases": list(spec.aliases),
+                   "labels": dict(self.manifest.metadata.labels), "file": self.file,
+                   "phase": self.phase.value, "ready": self.ready, "node": self.node,
+                   "nodes": list(self.placement.nodes)})
+        if self.node is None:
+            st.update({"lastError": self.placement.reason, "conditions": [{
+                "type": "Scheduled", "status": "False", "reason": "Unschedulable",
+                "message": self.placement.reason}]})
+        return st
