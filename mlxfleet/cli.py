@@ -185,11 +185,12 @@ def _add_server_commands(sub) -> None:
     v.add_argument("--mcp-config", metavar="FILE", help="MCP servers to start with the "
                    "gateway (the mcpServers JSON desktop assistants use); /v1/mcp routes")
 
-    g = sub.add_parser("get", help="list models: mlxfleet get models")
-    g.add_argument("what", choices=["models", "model"])
+    g = sub.add_parser("get", help="list models or nodes: mlxfleet get models|nodes")
+    g.add_argument("what", choices=["models", "model", "nodes", "node"])
     g.add_argument("-o", "--output", choices=["table", "json", "wide"], default="table")
-    d = sub.add_parser("describe", help="show one model's status: mlxfleet describe model NAME")
-    d.add_argument("what", choices=["model"])
+    d = sub.add_parser("describe", help="show one model's or node's status: mlxfleet "
+                       "describe model|node NAME")
+    d.add_argument("what", choices=["model", "node"])
     d.add_argument("name")
     lg = sub.add_parser("logs", help="print a model's worker log")
     lg.add_argument("name")
@@ -373,19 +374,23 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _run_get(args) -> int:
+    if args.what in ("nodes", "node"):
+        return _run_get_nodes(args)
     data = _api(args, "GET", "/models").json()
     if args.output == "json":
         print(json.dumps(data, indent=2))
         return 0
     rows = [["NAME", "SOURCE", "STATE", "READY", "RESTARTS", "MEMORY", "AGE"]]
     if args.output == "wide":
-        rows[0] += ["PID", "EST. MEMORY", "KEEP-ALIVE", "LAST USED", "EXPIRES", "ALIASES"]
+        rows[0] += ["NODE", "PID", "EST. MEMORY", "KEEP-ALIVE", "LAST USED", "EXPIRES",
+                    "ALIASES"]
     for m in data["items"]:
         row = [m["name"], m["source"], m["phase"], "1/1" if m["ready"] else "0/1",
                str(m["restarts"]), fmt_bytes(m["memoryBytes"]), fmt_age(m["ageSeconds"])]
         if args.output == "wide":
             ka = m["keepAlive"]
-            row += [str(m["pid"] or "-"), fmt_bytes(m["memory"]["footprintBytes"]),
+            row += [m.get("node") or ("-" if m["phase"] == "Unschedulable" else "local"),
+                    str(m["pid"] or "-"), fmt_bytes(m["memory"]["footprintBytes"]),
                     ka if isinstance(ka, str) else f"{ka:g}s", m["lastUsed"] or "-",
                     m["expiresAt"] or "-", ",".join(m["aliases"]) or "-"]
         rows.append(row)
@@ -401,9 +406,70 @@ def _run_get(args) -> int:
     return 0
 
 
+def _nodes(args) -> list[dict]:
+    data = _api(args, "GET", "/nodes").json()
+    if not data["items"]:
+        raise SystemExit("error: this server is not a node of a fleet (it was started "
+                         "without --node)")
+    return data["items"]
+
+
+def _run_get_nodes(args) -> int:
+    items = _nodes(args)
+    if args.output == "json":
+        print(json.dumps(items, indent=2))
+        return 0
+    rows = [["NAME", "URL", "STATUS", "MODELS", "MEMORY", "LABELS", "AGE"]]
+    if args.output == "wide":
+        rows[0] += ["CHIP", "VERSION", "LAST SEEN"]
+    for n in items:
+        mem = n["memory"]
+        age = "-"
+        if n["startedAt"]:
+            from datetime import datetime
+
+            started = datetime.fromisoformat(n["startedAt"].replace("Z", "+00:00"))
+            age = fmt_age((datetime.now(started.tzinfo) - started).total_seconds())
+        row = [n["name"] + (" (this)" if n["self"] else ""), n["url"], n["status"],
+               str(len(n["models"])),
+               f"{fmt_bytes(mem['usedBytes'])}/{fmt_bytes(mem['capacityBytes'])}",
+               ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-", age]
+        if args.output == "wide":
+            seen = n["lastSeenSecondsAgo"]
+            row += [n["chip"] or "-", n["version"] or "-",
+                    "-" if seen is None else f"{seen:g}s ago"]
+        rows.append(row)
+    print(_table(rows))
+    return 0
+
+
+def _run_describe_node(args) -> int:
+    items = {n["name"]: n for n in _nodes(args)}
+    n = items.get(args.name)
+    if n is None:
+        raise SystemExit(f"error: no node named {args.name!r}. Known: {', '.join(items)}.")
+    mem = n["memory"]
+    seen = n["lastSeenSecondsAgo"]
+    print(f"Name:          {n['name']}{' (the node answering)' if n['self'] else ''}")
+    print(f"URL:           {n['url']}")
+    print(f"Status:        {n['status']}" + (f" ({n['error']})" if n["error"] else ""))
+    print(f"Labels:        {', '.join(f'{k}={v}' for k, v in n['labels'].items()) or '-'}")
+    print(f"Chip:          {n['chip'] or '-'} ({n['system'] or '-'})")
+    print(f"Version:       {n['version'] or '-'}")
+    print(f"Started:       {n['startedAt'] or '-'}")
+    print(f"Last seen:     {'-' if seen is None else f'{seen:g}s ago'}")
+    print(f"Memory:        {fmt_bytes(mem['usedBytes'])} used of "
+          f"{fmt_bytes(mem['capacityBytes'])} (machine {fmt_bytes(mem['totalBytes'])})")
+    print(f"Models:        {', '.join(n['models']) or '-'}")
+    return 0
+
+
 def _run_describe(args) -> int:
+    if args.what == "node":
+        return _run_describe_node(args)
     m = _api(args, "GET", f"/models/{args.name}").json()
     print(f"Name:          {m['name']}")
+    print(f"Node:          {m.get('node') or '-'}")
     print(f"Source:        {m['source']}")
     print(f"Aliases:       {', '.join(m['aliases']) or '-'}")
     print(f"Labels:        {', '.join(f'{k}={v}' for k, v in m['labels'].items()) or '-'}")

@@ -47,9 +47,15 @@ def wait_for(pred: Callable, timeout: float = 30.0, interval: float = 0.1):
 
 
 class Fleet:
-    def __init__(self, root: Path, env: Optional[dict] = None):
-        self.dir = root / "manifests"
+    """One ``mlxfleet serve``; ``manifests`` shares another's folder (nodes of a fleet),
+    ``args`` are more flags (``--node a``)."""
+
+    def __init__(self, root: Path, env: Optional[dict] = None,
+                 manifests: Optional[Path] = None, args: tuple[str, ...] = ()):
+        root.mkdir(parents=True, exist_ok=True)
+        self.dir = manifests or root / "manifests"
         self.dir.mkdir(exist_ok=True)
+        self.args = args
         self.state = root / "state"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -74,7 +80,7 @@ class Fleet:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxfleet", "serve", "--manifests", str(self.dir),
-             "--port", str(self.port), "--state-dir", str(self.state)],
+             "--port", str(self.port), "--state-dir", str(self.state), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         ok = wait_for(self._up, timeout=30)
         assert ok, self.logs()

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import httpx
 
 from ..manifest import Manifest
+from ..units import iso
 from .admission import AdmissionError
 from .fleet import Fleet
 from .handle import InflightCounter, WorkerFailed
@@ -155,8 +156,17 @@ class RemoteModel:
         w.release()
 
     def status(self) -> dict[str, Any]:
-        st = dict(self.reported())
+        """The serving node's status of the model (the same fields as a local one's),
+        with this node's view of where it runs."""
         spec = self.manifest.spec
+        st = {"generation": 1, "observedGeneration": None, "restarts": 0, "pid": None,
+              "memoryBytes": None, "lastError": None, "inflight": 0, "waiting": 0,
+              "keepAlive": 0, "lastUsed": None, "expiresAt": None, "loaded": False,
+              "pinned": spec.pinned, "priority": spec.priority, "preload": spec.preload,
+              "memory": {"estimatedBytes": None, "measuredBytes": None, "weightBytes": None,
+                         "cacheBytes": None, "footprintBytes": None},
+              "createdAt": iso(self.created), "ageSeconds": round(time.time() - self.created, 1),
+              "conditions": [], "events": [], "logFile": "-", **self.reported()}
         st.update({"name": self.name, "source": spec.source, "aliases": list(spec.aliases),
                    "labels": dict(self.manifest.metadata.labels), "file": self.file,
                    "phase": self.phase.value, "ready": self.ready, "node": self.node,

@@ -1,0 +1,176 @@
+"""A fleet of three nodes on loopback: one manifests folder, three `mlxfleet serve --node`
+processes (each with its own port and state), real workers, real SIGKILL of a node."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import anthropic
+import httpx
+import openai
+import pytest
+import yaml
+from fleet import Fleet, manifest, wait_for
+
+KEY = "fleet-secret"
+ENV = {"MLXFLEET_FLEET_KEY": KEY, "MLXFLEET_FLEET_GRACE": "4",
+       "MLXFLEET_FLEET_POLL_INTERVAL": "0.5"}
+
+
+def node_doc(name: str, url: str, memory: str, **labels) -> str:
+    return yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Node",
+                           "metadata": {"name": name, "labels": labels},
+                           "spec": {"url": url, "memory": memory}}, sort_keys=False)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    shared = root / "manifests"
+    shared.mkdir()
+    ns = {n: Fleet(root / n, ENV, manifests=shared, args=("--node", n)) for n in "abc"}
+    # c is the biggest: both unpinned models go there (most free memory)
+    ns["a"].write("nodes.yaml", "---\n".join([
+        node_doc("a", ns["a"].url, "4GB", tier="small"),
+        node_doc("b", ns["b"].url, "4GB", tier="small"),
+        node_doc("c", ns["c"].url, "8GB", chip="m2")]))
+    ns["a"].write("models.yaml", "---\n".join([
+        manifest("free1"), manifest("free2", aliases=["second"]),
+        manifest("pinned-b", placement={"nodes": ["b"]}),
+        manifest("sel-c", placement={"nodeSelector": {"chip": "m2"}}),
+        manifest("huge", cache={"memoryMB": 20000})]))
+    for n in ns.values():
+        n.start()
+    yield ns
+    for n in ns.values():
+        n.stop()
+
+
+def where(node: Fleet) -> dict:
+    """model -> node, as ``/v1/models`` on ``node`` says."""
+    data = httpx.get(node.url + "/v1/models", timeout=10).json()["data"]
+    return {m["id"]: m["node"] for m in data}
+
+
+EXPECTED = {"free1": "c", "free2": "c", "pinned-b": "b", "sel-c": "c", "huge": None}
+
+
+def test_every_node_places_the_same_and_routes_every_model(nodes):
+    for n in nodes.values():
+        assert wait_for(lambda n=n: where(n) == EXPECTED, 30), (where(n), n.logs())
+    for n in nodes.values():
+        for model in ("free1", "second", "pinned-b", "sel-c"):
+            r = n.chat(model, max_tokens=3)
+            assert r.choices[0].message.content, (n.url, model)
+    # streaming through a node that does not run the model, with Anthropic's SDK
+    client = anthropic.Anthropic(base_url=nodes["a"].url, api_key="x", max_retries=0)
+    with client.messages.stream(model="sel-c", max_tokens=5,
+                                messages=[{"role": "user", "content": "hi"}]) as s:
+        text = "".join(s.text_stream)
+    assert text
+    direct = nodes["c"].chat("sel-c", max_tokens=5).choices[0].message.content
+    via_a = nodes["a"].chat("sel-c", max_tokens=5).choices[0].message.content
+    assert via_a == direct  # greedy: the same worker answers either way
+    # the request id goes through to the node that runs the model and comes back
+    r = httpx.post(nodes["a"].url + "/v1/chat/completions", headers={"X-Request-Id": "rid-7"},
+                   json={"model": "pinned-b", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "rid-7"
+    # a protocol error from the remote worker keeps its shape and status
+    r = httpx.post(nodes["a"].url + "/v1/messages", json={"model": "pinned-b",
+                   "max_tokens": -1, "messages": []}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+
+
+def test_cli_shows_nodes_and_where_models_run(nodes):
+    a = nodes["a"]
+    out = a.cli("get", "nodes").stdout
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert set(lines) == {"a", "b", "c"}, out
+    assert all("Ready" in ln for ln in lines.values()), out
+    assert "8.0 GB" in lines["c"] and "chip=m2" in lines["c"], out
+    out = a.cli("describe", "node", "c").stdout
+    assert "free1" in out and "sel-c" in out and "Ready" in out, out
+    out = a.cli("get", "models", "-o", "wide").stdout
+    table = [re.split(r"\s{2,}", ln) for ln in out.split("\n\n")[0].splitlines()]
+    col = table[0].index("NODE")
+    rows = {r[0]: r for r in table[1:]}
+    assert rows["pinned-b"][col] == "b" and rows["sel-c"][col] == "c", out
+    assert rows["huge"][2] == "Unschedulable", out
+    # describe and load work on a model another node runs
+    out = a.cli("describe", "model", "pinned-b").stdout
+    assert "Node:          b" in out, out
+    assert a.cli("load", "pinned-b").returncode == 0
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_the_reason(nodes):
+    with pytest.raises(openai.APIStatusError) as e:
+        nodes["b"].chat("huge")
+    assert e.value.status_code == 503
+    assert "cannot run on any node" in e.value.message and "the largest, c" in \
+        e.value.message, e.value.message
+
+
+def test_the_fleet_key_is_required_between_nodes(nodes):
+    url = nodes["a"].url
+    assert httpx.get(url + "/mlxfleet/v1/node", timeout=5).status_code == 401
+    r = httpx.get(url + "/mlxfleet/v1/node", headers={"X-Mlxfleet-Fleet-Key": "wrong"},
+                  timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_fleet_key"
+    r = httpx.get(url + "/mlxfleet/v1/node", headers={"X-Mlxfleet-Fleet-Key": KEY}, timeout=5)
+    assert r.status_code == 200 and r.json()["name"] == "a"
+    # a request that claims to come from a node without the key is refused, not served
+    r = httpx.post(url + "/v1/chat/completions", headers={"X-Mlxfleet-Forwarded-By": "b"},
+                   json={"model": "free1", "messages": [{"role": "user", "content": "x"}]},
+                   timeout=10)
+    assert r.status_code == 401
+
+
+def test_a_node_without_its_manifest_or_key_refuses_to_start(nodes, tmp_path):
+    def serve(*args, env=None):
+        return subprocess.run([sys.executable, "-m", "mlxfleet", "serve", "--manifests",
+                               str(nodes["a"].dir), "--port", "0", "--state-dir",
+                               str(tmp_path), *args], capture_output=True, text=True,
+                              timeout=60, env=env)
+
+    r = serve("--node", "zz")
+    assert r.returncode != 0 and "no kind: Node manifest named 'zz'" in r.stderr, r.stderr
+    assert "a, b, c" in r.stderr
+    r = serve("--node", "a", "--host", "0.0.0.0", "--api-key", "k")
+    assert r.returncode != 0 and "fleet key" in r.stderr, r.stderr
+
+
+def test_a_dead_node_loses_its_models_and_gets_back_the_pinned_ones(nodes):
+    """Last: kills node c. Its unpinned models move; the one only c may run answers 503
+    naming c; when c is back, the moved models stay where they are (no flapping)."""
+    a, b, c = nodes["a"], nodes["b"], nodes["c"]
+    assert where(a) == EXPECTED
+    c.proc.send_signal(signal.SIGKILL)
+    c.proc.wait()
+    # within the grace period: the node is named as unreachable
+    with pytest.raises(openai.APIStatusError) as e:
+        a.chat("free1")
+    assert e.value.status_code == 503 and "'c'" in e.value.message, e.value.message
+    moved = wait_for(lambda: (lambda w: w if w["free1"] in ("a", "b") and
+                              w["free2"] in ("a", "b") else None)(where(a)), 30)
+    assert moved, (where(a), a.logs())
+    assert moved["sel-c"] is None and moved["pinned-b"] == "b"
+    assert wait_for(lambda: where(b) == moved, 10)
+    for n in (a, b):
+        assert n.chat("free1").choices[0].message.content
+        assert n.chat("free2").choices[0].message.content
+    with pytest.raises(openai.APIStatusError) as e:
+        a.chat("sel-c")
+    assert e.value.status_code == 503 and "down: c" in e.value.message, e.value.message
+    lines = {ln.split()[0]: ln for ln in a.cli("get", "nodes").stdout.splitlines()[1:]}
+    assert "Lost" in lines["c"]
+    # c comes back: sel-c returns to it, the moved models stay
+    c.start()
+    back = dict(moved, **{"sel-c": "c"})
+    for n in (a, b, c):
+        assert wait_for(lambda n=n: where(n) == back, 30), (where(n), n.logs())
+    assert a.chat("sel-c").choices[0].message.content
+    assert c.chat("free1").choices[0].message.content
