@@ -198,6 +198,10 @@ class Worker:
         """Admit, parse, convert, tokenize and submit one request. The capacity check
         comes first: a full worker answers 503 before any parsing or grammar work."""
         cap = self.config.max_concurrency + self.config.max_queue
+        if self.config.dist_rank > 0:
+            raise APIError(503, f"This worker is rank {self.config.dist_rank} of the sharded "
+                           f"model '{self.name}'; requests go to rank 0.",
+                           type="service_unavailable", code="not_rank_zero")
         if self.inflight >= cap:
             raise APIError(503, f"Model '{self.name}' is at capacity ({self.inflight} "
                            "requests in flight); retry shortly.", type="service_unavailable",

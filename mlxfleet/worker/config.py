@@ -76,6 +76,15 @@ class WorkerConfig(BaseModel):
                                   "height, checked before it is decoded")
     max_images: int = Field(16, ge=1, description="images in one request")
     image_fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an image URL")
+    dist_hosts: list[str] = Field(default_factory=list, description="a sharded model: every "
+                                  "rank's host:port, rank 0 first (empty: not sharded)")
+    dist_rank: int = Field(0, ge=0, description="this worker's rank; only rank 0 serves")
+    dist_backend: Literal["ring", "jaccl", "any"] = "ring"
+    dist_strategy: Literal["tensor", "pipeline"] = "tensor"
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.dist_hosts) > 1
 
     @model_validator(mode="after")
     def _parsers(self):

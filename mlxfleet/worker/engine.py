@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -162,9 +163,25 @@ class Engine:
         self._publish(force=True)
         self._ready.set()
         try:
-            self._serve()
+            if self.config.sharded and self.config.dist_rank > 0:
+                from .distributed import follow
+
+                follow(self, self._channel)  # ranks other than 0 only mirror rank 0
+                if not self._stop:
+                    raise RuntimeError("rank 0 stopped")
+            else:
+                self._serve()
+            if self.config.sharded and self.config.dist_rank == 0:
+                self._bg.close()  # the other ranks stop with this one
         except Exception as e:  # noqa: BLE001
             log.exception("engine loop crashed")
+            if self.config.sharded:  # a broken group is restarted whole, by the supervisors
+                from .distributed import GROUP_LOST
+
+                log.error("rank %d: the group is broken; exiting so that it restarts",
+                          self.config.dist_rank)
+                logging.shutdown()
+                os._exit(GROUP_LOST)
             self.error = f"engine crashed: {type(e).__name__}: {e}"
             self.state = "failed"
             self._fail_active(self.error)
@@ -189,7 +206,15 @@ class Engine:
         path = resolve_source(self.source, revision=self.config.revision)
         self.model_path = str(path)
         trust = {"trust_remote_code": self.config.trust_remote_code}
-        if self.config.task == "vision" or is_vision_checkpoint(path):
+        if self.config.sharded:
+            from .distributed import Channel, init_group, load_sharded
+
+            if self.config.task == "vision" or is_vision_checkpoint(path):
+                raise ValueError("vision models cannot be sharded (spec.distributed)")
+            group = init_group(self.config)
+            self._channel = Channel(group)
+            model, tokenizer, config = load_sharded(str(path), self.config, group, trust)
+        elif self.config.task == "vision" or is_vision_checkpoint(path):
             from mlx_lm.utils import load_tokenizer
 
             from .vision import VisionModel
@@ -252,6 +277,12 @@ class Engine:
         self._special = special_token_ids(self.tokenizer)
         self._reserved = 0
         self.prompt_cache = self._new_prompt_cache()
+        if cfg.sharded:
+            from .distributed import MirroredBatch, NoPromptCache
+
+            self.prompt_cache = NoPromptCache()
+            if cfg.dist_rank == 0:
+                self._bg = MirroredBatch(self._bg, self._channel)
 
     def _new_prompt_cache(self):
         """The block cache when asked for and the model's layers can be cut into blocks
@@ -284,7 +315,7 @@ class Engine:
             if not self._seqs and not self._pending:
                 self._publish(force=True)
                 self.busy = False
-                item = self._inbox.get()  # idle: sleep until there is work
+                item = self._idle_wait()  # idle: sleep until there is work
                 self.busy, self.heartbeat = True, time.monotonic()
                 if not self._handle(item):
                     break
@@ -306,6 +337,17 @@ class Engine:
                     self._step_failed(e)
             self._publish()
 
+    def _idle_wait(self):
+        """The next inbox item; a sharded model's rank 0 pings the other ranks every
+        few seconds meanwhile, so a lost peer is found before a request needs it."""
+        if not self.config.sharded:
+            return self._inbox.get()
+        while True:
+            try:
+                return self._inbox.get(timeout=5.0)
+            except queue.Empty:
+                self._bg.ping()
+
     def _step_failed(self, e: Exception) -> None:
         """A batch step raised (an allocation beyond what the machine has, most likely):
         fail the running requests with a clear error, start an empty batch and keep
@@ -314,6 +356,8 @@ class Engine:
         import mlx.core as mx
 
         self._step_failures += 1
+        if self.config.sharded:
+            raise e  # the other ranks cannot follow a new batch mid-way: restart the group
         log.error("generation step failed (%d in a row): %s: %s", self._step_failures,
                   type(e).__name__, e)
         if self._step_failures >= STEP_FAILURES_FATAL:
@@ -420,8 +464,9 @@ class Engine:
                     return  # finished with its first token
                 prompts, caches, cached = [[first]], [cache], [list(gen.prompts[0])]
                 budget -= 1
+            recipe = {"recipe": (p, count)} if self.config.sharded else {}
             uids = self._bg.insert(
-                prompts,
+                prompts, **recipe,
                 max_tokens=[budget] * count,
                 caches=caches,
                 all_tokens=cached,
@@ -452,7 +497,8 @@ class Engine:
     def _lone(self, gen: Generation, procs: list) -> bool:
         """A request alone in an idle engine, plain enough for ``_solo_first_token``."""
         p = gen.params
-        return (not self._seqs and not self._pending and gen.num_sequences == 1
+        return (not self.config.sharded and not self._seqs and not self._pending
+                and gen.num_sequences == 1
                 and gen.vision is None and not procs[0] and p.logprobs is None)
 
     def _solo_first_token(self, gen: Generation, rest: list[int], cache: Optional[list],
