@@ -199,6 +199,13 @@ class ModelSpec(_Spec):
     distributed: Optional[DistributedSpec] = Field(default=None, description="fleets: run "
                                                    "the model sharded over several nodes")
 
+    @model_validator(mode="after")
+    def _sharded(self):
+        if self.distributed is not None and self.task != "generate":
+            raise ValueError("only text generation models can be sharded (spec.distributed "
+                             f"with task {self.task})")
+        return self
+
     @field_validator("aliases")
     @classmethod
     def _aliases(cls, v: list[str]) -> list[str]:

@@ -136,7 +136,7 @@ class Fleet:
                                    tuple(d.nodes) if d else (),
                                    (d.size or 1) if d and not d.nodes else 1))
         self.placements = place(views, self.node_views(own_capacity))
-        self.held = frozenset(n for n, p in self.placements.items() if p.node == self.me)
+        self.held = frozenset(n for n, p in self.placements.items() if self.me in p.nodes)
         return self.placements
 
     def node_views(self, own_capacity: int) -> list[NodeView]:

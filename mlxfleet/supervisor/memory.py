@@ -21,16 +21,18 @@ class MemoryAccount:
     @property
     def worker_config(self) -> WorkerConfig:
         """What this model's workers are started with (manifest + server defaults)."""
-        if self._config_for is not self.manifest:
-            self._config, self._config_for = worker_config(self.manifest, self.settings), \
-                self.manifest
+        key = (self.manifest, self.rank)
+        if self._config_for != key:
+            self._config = worker_config(self.manifest, self.settings, self.rank)
+            self._config_for = key
         return self._config
 
     def cache_bytes(self) -> int:
         return self.worker_config.cache_bytes
 
     def estimated_bytes(self) -> int:
-        return ((self.weight_bytes or 0) + self.cache_bytes()
+        shards = len(self.rank[1]) if self.rank else 1  # a sharded model: this rank's share
+        return ((self.weight_bytes or 0) // shards + self.cache_bytes()
                 + (self.settings.worker_overhead_mb << 20))
 
     def memory_bytes(self) -> Optional[int]:

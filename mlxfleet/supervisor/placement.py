@@ -96,7 +96,8 @@ def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, P
             rest.append((m, fits))
     for m, fits in sorted(rest, key=lambda t: (-t[0].estimate, t[0].name)):
         best = sorted(fits, key=lambda n: (_free_key(free[n.name]), n.name))[:m.size]
-        out[m.name] = Placement(tuple(n.name for n in best))
+        # ranks in name order, as a group that stays put lists them (holders, above)
+        out[m.name] = Placement(tuple(sorted(n.name for n in best)))
         _take(free, [n.name for n in best], _share(m))
     return out
 

@@ -36,10 +36,11 @@ class WorkerProcess(InflightCounter):
     (a ``WorkerHandle``)."""
 
     def __init__(self, manifest: Manifest, socket_path: Path, log_path: Path,
-                 log_max_bytes: int, log_backups: int, settings: Any = None):
+                 log_max_bytes: int, log_backups: int, settings: Any = None,
+                 config: Any = None):
         super().__init__()
         self.manifest = manifest
-        self.config = worker_config(manifest, settings)
+        self.config = config or worker_config(manifest, settings)
         self.spec_hash = manifest.worker_hash()
         self.socket_path = socket_path
         self.log_path = log_path

@@ -76,7 +76,10 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self._wake = asyncio.Event()
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._draining: set[asyncio.Task] = set()
-        self._config_for: Optional[Manifest] = None
+        self._config_for: Optional[tuple] = None
+        # A sharded model (fleets): this node's rank and every rank's host:port. Ranks
+        # other than 0 are followers: they serve no requests (``remote`` routes them).
+        self.rank: Optional[tuple[int, tuple[str, ...]]] = None
         self.set_condition("Ready", False, "Unloaded", "not loaded")
         self.task = asyncio.create_task(self._run(), name=f"model:{manifest.name}")
 

@@ -96,6 +96,7 @@ class Supervisor:
         self._wanted: dict[str, LoadedManifest] = {}  # every model of the folder
         self._last_good_nodes: dict[str, list[NodeManifest]] = {}
         self._estimates: dict[str, int] = {}
+        self._ranks: dict[str, tuple[int, tuple[str, ...]]] = {}  # sharded models run here
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -146,7 +147,7 @@ class Supervisor:
         sock = self.runtime_dir / f"{rt.name}.{self._seq}.sock"
         s = self.settings
         return WorkerProcess(rt.manifest, sock, self.log_path(rt.name), s.log_max_bytes,
-                             s.log_backups, s)
+                             s.log_backups, s, rt.worker_config)
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -185,7 +186,9 @@ class Supervisor:
 
     def get(self, name: str) -> Any:
         """The local runtime or remote model called exactly ``name``, if any."""
-        rt = self.models.get(name) or self.remote.get(name)
+        rt = self.models.get(name)
+        if rt is None or (rt.rank and rt.rank[0] > 0):  # a follower rank: route to rank 0
+            rt = self.remote.get(name) or rt
         return rt if rt is not None and not rt.removed else None
 
     def names(self) -> list[str]:
@@ -253,6 +256,9 @@ class Supervisor:
         desired = self._wanted
         if self.fleet is not None:
             desired = self._place(desired)
+            for name, rt in list(self.models.items()):
+                if name in desired and rt.rank != self._ranks.get(name):
+                    self._delete(name)  # its group changed: a new one starts
         actions = plan({n: lm.manifest.worker_hash() for n, lm in desired.items()},
                        {n: rt.manifest.worker_hash() for n, rt in self.models.items()})
         for name, action in sorted(actions.items()):
@@ -260,7 +266,12 @@ class Supervisor:
             if action is Action.CREATE:
                 log.info("%s: creating (%s)", name, lm.manifest.spec.source)
                 self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self)
-                if lm.manifest.spec.preload:
+                rt.rank = self._ranks.get(name)
+                if rt.rank is not None:  # every rank must run for any to serve
+                    rt.keep_alive_override = float("inf")
+                    log.info("%s: rank %d of %d (%s)", name, rt.rank[0], len(rt.rank[1]),
+                             ", ".join(rt.rank[1]))
+                if lm.manifest.spec.preload or rt.rank is not None:
                     self._spawn(self._preload(rt))
             elif action in (Action.KEEP, Action.REPLACE):
                 rt = self.models[name]
@@ -333,11 +344,18 @@ class Supervisor:
             else {}
         local: dict[str, LoadedManifest] = {}
         remote: dict[str, Any] = {}
+        self._ranks = {}
         for name, lm in desired.items():
             p = placements.get(name)
-            if p is not None and p.node == fleet.me:
+            if p is not None and fleet.me in p.nodes:
                 local[name] = lm
-                continue
+                if len(p.nodes) > 1:  # sharded: every rank's node runs a worker
+                    port = lm.manifest.spec.distributed.port
+                    hosts = tuple(f"{fleet.nodes[n].spec.host}:{port + i}"
+                                  for i, n in enumerate(p.nodes))
+                    self._ranks[name] = (p.nodes.index(fleet.me), hosts)
+                if p.node == fleet.me:
+                    continue  # rank 0 (or the only node): requests are served here
             if p is None:
                 from .placement import Placement
 

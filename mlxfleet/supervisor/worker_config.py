@@ -13,9 +13,11 @@ from ..worker.config import WorkerConfig, cache_budget
 log = logging.getLogger("mlxfleet.supervisor")
 
 
-def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
+def worker_config(m: Manifest, server: Any = None,
+                  rank: Optional[tuple[int, tuple[str, ...]]] = None) -> WorkerConfig:
     """The worker's configuration for a manifest: the spec's values, else the server's
-    defaults (``server`` settings), else the worker's own."""
+    defaults (``server`` settings), else the worker's own. ``rank``: (this worker's rank,
+    every rank's host:port) for a sharded model."""
     s = m.spec
 
     def pick(own, setting: str):
@@ -56,6 +58,9 @@ def worker_config(m: Manifest, server: Any = None) -> WorkerConfig:
         fields["disk_cache_dir"] = str(Path(server.state_dir).expanduser() / "prompt-cache"
                                        / m.name)
     fields["warm_prompts"] = warm_prompts(s.cache.warm_prompts, server)
+    if rank is not None and s.distributed is not None:
+        fields.update(dist_rank=rank[0], dist_hosts=list(rank[1]),
+                      dist_backend=s.distributed.backend, dist_strategy=s.distributed.strategy)
     return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
