@@ -76,9 +76,10 @@ def main() -> None:
                     t1 = time.perf_counter()
                     with clients[k].stream("POST", "/v1/chat/completions",
                                            json={**body, "stream": True, "max_tokens": 4}) as s:
-                        next(s.iter_raw())
+                        chunks = s.iter_raw()
+                        next(chunks)
                         first = time.perf_counter() - t1
-                        for _ in s.iter_raw():
+                        for _ in chunks:
                             pass
                 if i >= 10:
                     times[k].append(dt)
@@ -89,14 +90,14 @@ def main() -> None:
         print(f"{'path':<12} {'p50 ms':>8} {'p90 ms':>8}" + (
             f" {'stream 1st byte p50':>20}" if args.stream else ""))
         for k in urls:
-            line = f"{k:<12} {pct(times[k], 50) * 1e3:8.1f} {pct(times[k], 90) * 1e3:8.1f}"
+            line = f"{k:<12} {pct(times[k], 0.5) * 1e3:8.1f} {pct(times[k], 0.9) * 1e3:8.1f}"
             if args.stream:
-                line += f" {pct(firsts[k], 50) * 1e3:20.1f}"
+                line += f" {pct(firsts[k], 0.5) * 1e3:20.1f}"
             print(line)
-        d = (pct(times["via a"], 50) - pct(times["direct (b)"], 50)) * 1e3
+        d = (pct(times["via a"], 0.5) - pct(times["direct (b)"], 0.5)) * 1e3
         print(f"extra hop (via a - direct): {d:+.1f} ms p50")
         if args.stream:
-            d = (pct(firsts["via a"], 50) - pct(firsts["direct (b)"], 50)) * 1e3
+            d = (pct(firsts["via a"], 0.5) - pct(firsts["direct (b)"], 0.5)) * 1e3
             print(f"extra hop, first streamed byte: {d:+.1f} ms p50")
     finally:
         for p in procs:

@@ -166,8 +166,10 @@ class Fleet:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                             limits=httpx.Limits(max_keepalive_connections=32))
+            self.transport = httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_keepalive_connections=32))
+            self._client = httpx.AsyncClient(transport=self.transport,
+                                             timeout=httpx.Timeout(None, connect=5.0))
         return self._client
 
     async def poll_once(self, timeout: float) -> None:

@@ -56,8 +56,8 @@ class RemoteWorker(InflightCounter):
         client = self.fleet.client
         req = client.build_request(method, url + path, content=body,
                                    headers={**headers, **self.fleet.headers()})
-        try:
-            return await client.send(req, stream=True)
+        try:  # straight to the pooled transport, as WorkerProcess.forward does
+            resp = await self.fleet.transport.handle_async_request(req)
         except httpx.ConnectError as e:
             raise AdmissionError(503, f"Node '{self.node}' ({url}) is unreachable: {e}. Its "
                                  "models move to other nodes once it has been down for "
@@ -65,6 +65,8 @@ class RemoteWorker(InflightCounter):
                                  "node_unreachable", retry_after=self.fleet.grace) from None
         except httpx.TransportError as e:
             raise WorkerFailed(f"node {self.node}: {e or type(e).__name__}") from None
+        resp.request = req
+        return resp
 
     async def get_json(self, path: str, timeout: float) -> Optional[dict]:
         return None
