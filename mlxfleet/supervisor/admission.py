@@ -166,7 +166,7 @@ class Acquire:
             lease = Lease(self.sup, rt, self.deadline)
             lease._take()
             return lease
-        if self.keep_alive is not None:
+        if self.keep_alive is not None and rt.rank is None:  # sharded models stay loaded
             rt.keep_alive_override = self.keep_alive
         if rt.ready and rt.want_loaded:
             queue_check(rt)
