@@ -107,6 +107,66 @@ def raw_loop(model_dir: Path, streams: int, prompt_words: int, max_tokens: int,
             "ttft_ms": {"p50": first * 1000 if first else None}}
 
 
+def machine_limit(model_dir: Path) -> dict:
+    """What this machine can do for this model, measured here: memory bandwidth (a large
+    copy) and float32 GEMM throughput at the shapes of a decode step and of a prefill
+    chunk. Every decode step reads all weights once and does ~2 FLOPs per parameter per
+    sequence, so a step of B sequences takes at least max(weights / bandwidth,
+    2 * params * B / GEMM rate); a prefill of T tokens at least max(weights / bandwidth,
+    2 * params * T / GEMM rate)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    from mlx.utils import tree_flatten
+
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    hidden = model.args.hidden_size
+
+    def timed(fn, reps=5) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    big = mx.random.normal((8192, 8192))  # 256 MB of float32, far beyond the caches
+    vec = mx.random.normal((1, 8192))
+    mx.eval(big, vec)
+    # The best of a copy (reads and writes every byte) and a matrix-vector product (reads
+    # every byte once, as a decode step reads the weights).
+    bandwidth = max(2 * big.nbytes / timed(lambda: mx.eval(big + 0)),
+                    big.nbytes / timed(lambda: mx.eval(vec @ big)))
+    w = mx.random.normal((hidden, 4 * hidden))
+    mx.eval(w)
+
+    def gemm_rate(m: int) -> float:
+        x = mx.random.normal((m, hidden))
+        mx.eval(x)
+        return 2 * m * hidden * 4 * hidden / timed(lambda: mx.eval(x @ w))
+
+    rates = {m: gemm_rate(m) for m in (32, 512, 2048)}
+    return {"params": params, "weight_bytes": weight_bytes, "bandwidth": bandwidth,
+            "gemm": rates}
+
+
+def limit_tokens_per_s(lim: dict, streams: int, prompt_tokens: int, max_tokens: int
+                       ) -> dict:
+    """The best tokens/s this machine allows for ``streams`` requests of ``prompt_tokens``
+    in and ``max_tokens`` out: while decoding, and over the whole run (prefill counted)."""
+    peak = max(lim["gemm"].values())  # a limit: the best rate any shape reached
+    read = lim["weight_bytes"] / lim["bandwidth"]
+    step = max(read, 2 * lim["params"] * streams / peak)
+    total_prompt = streams * prompt_tokens
+    chunks = -(-total_prompt // 512)  # prefill reads the weights once per 512-token chunk
+    prefill = max(read * chunks, 2 * lim["params"] * total_prompt / peak)
+    return {"decode": streams / step,
+            "overall": streams * max_tokens / (prefill + max_tokens * step)}
+
+
 def raw_cold_load(model_dir: Path) -> float:
     code = (f"import time,sys; sys.path.insert(0, {str(ROOT)!r}); from mlxfleet.blas import "
             f"preload_blas; preload_blas(); import mlx_lm; mlx_lm.load({str(model_dir)!r})")
@@ -214,6 +274,8 @@ def main() -> None:
                   ok=lambda r: r.status_code == 200 and r.json()["ready"])
         results["cold_start_s"] = time.perf_counter() - t0
         results["raw_load_s"] = raw_cold_load(model_dir)
+        results["limit"] = machine_limit(model_dir)
+        results["prompt_tokens"] = prompt_tokens(model_dir, args.prompt_words)
 
         for s in args.streams:
             row = {"raw": raw_loop(model_dir, s, args.prompt_words, args.max_tokens, max_conc)}
@@ -254,6 +316,15 @@ def main() -> None:
     if args.write:
         args.write.write_text(table)
         print(f"wrote {args.write}")
+
+
+def prompt_tokens(model_dir: Path, words: int) -> int:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tok.apply_chat_template([{"role": "user", "content": make_prompt(words, "0 ")}],
+                                   add_generation_prompt=True, tokenize=False)
+    return len(tok.encode(text, add_special_tokens=False))
 
 
 def long_prompt(model_dir: Path, tokens: int) -> str:
@@ -333,6 +404,29 @@ def render(r: dict, args) -> str:
             t, i = row[k]["ttft_ms"]["p50"], row[k]["itl_ms"]["p50"]
             cells.append(f"{t or 0:.0f} / {i or 0:.1f}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lim = r["limit"]
+    gemm = ", ".join(f"{v / 1e9:.0f}" for v in lim["gemm"].values())
+    lines += ["", "## Against the machine's limit", "",
+              f"Measured in this run: memory bandwidth {lim['bandwidth'] / 1e9:.1f} GB/s (the "
+              "better of a 256 MB copy and a matrix-vector product over it), float32 GEMM "
+              f"{gemm} GFLOP/s at "
+              f"{', '.join(map(str, lim['gemm']))} rows x hidden x 4*hidden; "
+              f"model {lim['params'] / 1e6:.0f} M parameters, "
+              f"{lim['weight_bytes'] / 2**20:.0f} MiB of weights, {r['prompt_tokens']} prompt "
+              "tokens per request. A decode step of B sequences takes at least max(weights / "
+              "bandwidth, 2 x params x B / best GEMM rate); the whole run adds the prefill, "
+              "bounded the same way. Decode fraction: B / ITL p50 against the decode limit.", "",
+              "| streams | limit: decode tok/s | limit: whole run tok/s | raw loop | "
+              "mlx_lm.server | worker | gateway | gateway decode |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s, row in r["streams"].items():
+        lt = limit_tokens_per_s(lim, s, r["prompt_tokens"], args.max_tokens)
+        cells = [f"{row[k]['output_tokens_per_s'] / lt['overall']:.0%}"
+                 for k in ("raw", "mlx_lm.server", "worker", "gateway")]
+        itl = row["gateway"]["itl_ms"]["p50"]
+        dec = f"{s / (itl / 1000) / lt['decode']:.0%}" if itl else "-"
+        lines.append(f"| {s} | {lt['decode']:.0f} | {lt['overall']:.0f} | "
+                     + " | ".join(cells) + f" | {dec} |")
     lat = r["latency_ms"]
     pc = r["prompt_cache"]
     mem = r["worker_memory"]
