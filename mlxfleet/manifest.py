@@ -231,17 +231,22 @@ class Metadata(_Spec):
         return v
 
 
-class Manifest(_Spec):
-    """One ``kind: Model`` document."""
+class _Document(_Spec):
+    """What every document has: ``apiVersion``, ``kind`` (in subclasses), ``metadata``."""
 
     api_version: Literal["mlxfleet/v1"] = Field(alias="apiVersion")
-    kind: Literal["Model"]
     metadata: Metadata
-    spec: ModelSpec
 
     @property
     def name(self) -> str:
         return self.metadata.name
+
+
+class Manifest(_Document):
+    """One ``kind: Model`` document."""
+
+    kind: Literal["Model"]
+    spec: ModelSpec
 
     def source_changed(self, other: Manifest) -> bool:
         return (self.spec.source, self.spec.revision) != (other.spec.source,
@@ -299,17 +304,11 @@ class NodeSpec(_Spec):
         return self.address or urlsplit(self.url).hostname
 
 
-class NodeManifest(_Spec):
+class NodeManifest(_Document):
     """One ``kind: Node`` document: a machine of the fleet."""
 
-    api_version: Literal["mlxfleet/v1"] = Field(alias="apiVersion")
     kind: Literal["Node"]
-    metadata: Metadata
     spec: NodeSpec
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
 
 
 @dataclass

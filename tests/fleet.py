@@ -68,6 +68,14 @@ class Fleet:
                     "XDG_RUNTIME_DIR": str(self.run_dir), **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
 
+    @classmethod
+    def nodes(cls, root: Path, names: str, env: dict) -> dict[str, Fleet]:
+        """Nodes of one fleet (not started): one shared manifests folder, each node with
+        its own port, state and ``--node NAME``."""
+        shared = root / "manifests"
+        shared.mkdir(exist_ok=True)
+        return {n: cls(root / n, env, manifests=shared, args=("--node", n)) for n in names}
+
     def write(self, filename: str, text: str) -> Path:
         """Write a manifest file atomically, as editors do."""
         p = self.dir / filename

@@ -28,10 +28,7 @@ def node_doc(name: str, url: str, memory: str, **labels) -> str:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fleet")
-    shared = root / "manifests"
-    shared.mkdir()
-    ns = {n: Fleet(root / n, ENV, manifests=shared, args=("--node", n)) for n in "abc"}
+    ns = Fleet.nodes(tmp_path_factory.mktemp("fleet"), "abc", ENV)
     # c is the biggest: both unpinned models go there (most free memory)
     ns["a"].write("nodes.yaml", "---\n".join([
         node_doc("a", ns["a"].url, "4GB", tier="small"),

@@ -18,10 +18,7 @@ PROMPTS = ["Tell me a story about a dragon", "What is 2 + 2?", "List three color
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    shared = root / "manifests"
-    shared.mkdir()
-    ns = {n: Fleet(root / n, ENV, manifests=shared, args=("--node", n)) for n in "ab"}
+    ns = Fleet.nodes(tmp_path_factory.mktemp("sharded"), "ab", ENV)
     ns["a"].write("nodes.yaml", "---\n".join(
         node_doc(n, ns[n].url, "8GB") for n in "ab"))
     ns["a"].write("models.yaml", "---\n".join([
