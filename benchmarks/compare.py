@@ -509,11 +509,12 @@ NOTES = """## Notes
   at 1,739 MiB, within its 2,532 MiB estimate. Throughput is another matter: in this run every
   server trails the raw loop (worker direct 0.82-0.92x, gateway 0.83-0.89x, mlx_lm.server
   0.90-0.92x) on a machine running about 2.5x slower than earlier runs the same day, so the
-  ratios are not comparable across runs; the gateway was at 0.91-0.98x of mlx_lm.server. In the
-  run above (2026-12-01, after the lone-request changes) the gateway is at 1.02x, 1.04x and
-  1.01x of mlx_lm.server at 1, 8 and 32 streams, and 0.85-0.97x of the raw loop; its TTFT at
-  32 streams is still behind (20.2 s against 17.3 s). The 1.2x and 1.0x-raw targets at 32
-  streams remain the speed issue's work.
+  ratios are not comparable across runs; the gateway was at 0.91-0.98x of mlx_lm.server. Two runs on
+  the same day after the lone-request changes: the gateway at 1.02x / 1.04x / 1.01x of
+  mlx_lm.server at 1 / 8 / 32 streams (TTFT at 32: 20.2 s against 17.3 s), then, in the run
+  above, 0.95x / 0.91x / 1.06x (TTFT at 32: 19.4 s against 19.5 s): level with mlx_lm.server
+  within the noise. What keeps everything far from the machine's limit is MLX's CPU attention
+  (see "Against the machine's limit").
 
 ## Other benchmarks
 
