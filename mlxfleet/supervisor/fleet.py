@@ -6,7 +6,8 @@ From those answers and the manifests it builds the inputs of ``placement.place``
 every node does the same, so every node computes the same placement. A node is
 healthy while it answered within ``fleet_grace`` seconds (a node that never
 answered counts as healthy for the first ``fleet_grace`` seconds after this one
-starts: starting nodes place models like everyone else, without waiting).
+starts, so that nodes starting together place models alike without waiting; a node
+added later counts once it answers).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import platform
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import httpx
@@ -40,7 +41,6 @@ class Peer:
     manifest: NodeManifest
     report: Optional[dict] = None  # its last answer
     last_ok: Optional[float] = None  # monotonic
-    first_seen: float = field(default_factory=time.monotonic)
     error: Optional[str] = None
     failures: int = 0
 
@@ -95,7 +95,9 @@ class Fleet:
         p = self.peers.get(node)
         if p is None:
             return False
-        since = p.last_ok if p.last_ok is not None else max(self.started, p.first_seen)
+        # Never answered: healthy only within the grace period after this node started
+        # (nodes starting together place alike), never for a node added later.
+        since = p.last_ok if p.last_ok is not None else self.started
         return time.monotonic() - since < self.grace
 
     def node_status(self, node: str) -> str:
