@@ -34,11 +34,7 @@ def nodes(tmp_path_factory):
         node_doc("a", ns["a"].url, "4GB", tier="small"),
         node_doc("b", ns["b"].url, "4GB", tier="small"),
         node_doc("c", ns["c"].url, "8GB", chip="m2")]))
-    ns["a"].write("models.yaml", "---\n".join([
-        manifest("free1"), manifest("free2", aliases=["second"]),
-        manifest("pinned-b", placement={"nodes": ["b"]}),
-        manifest("sel-c", placement={"nodeSelector": {"chip": "m2"}}),
-        manifest("huge", cache={"memoryMB": 20000})]))
+    ns["a"].write("models.yaml", models_yaml())
     for n in ns.values():
         n.start()
     yield ns
@@ -138,6 +134,31 @@ def test_a_node_without_its_manifest_or_key_refuses_to_start(nodes, tmp_path):
     assert "a, b, c" in r.stderr
     r = serve("--node", "a", "--host", "0.0.0.0", "--api-key", "k")
     assert r.returncode != 0 and "fleet key" in r.stderr, r.stderr
+
+
+def models_yaml(pinned_to: str = "b") -> str:
+    return "---\n".join([
+        manifest("free1"), manifest("free2", aliases=["second"]),
+        manifest("pinned-b", placement={"nodes": [pinned_to]}),
+        manifest("sel-c", placement={"nodeSelector": {"chip": "m2"}}),
+        manifest("huge", cache={"memoryMB": 20000})])
+
+
+def test_editing_placement_moves_a_model_and_only_that_one(nodes):
+    a, b = nodes["a"], nodes["b"]
+    pids = {m: s["pid"] for m, s in a.models().items() if m != "_errors"}
+    a.write("models.yaml", models_yaml(pinned_to="a"))
+    moved = dict(EXPECTED, **{"pinned-b": "a"})
+    for n in nodes.values():
+        assert wait_for(lambda n=n: where(n) == moved, 30), (where(n), n.logs())
+    assert b.chat("pinned-b").choices[0].message.content  # served by a now, asked on b
+    assert a.wait_ready("pinned-b")["node"] == "a"
+    st = a.models()
+    for m in ("free1", "free2", "sel-c"):  # the others kept their workers
+        assert st[m]["pid"] == pids[m], m
+    a.write("models.yaml", models_yaml())
+    for n in nodes.values():
+        assert wait_for(lambda n=n: where(n) == EXPECTED, 30), (where(n), n.logs())
 
 
 def test_a_dead_node_loses_its_models_and_gets_back_the_pinned_ones(nodes):
