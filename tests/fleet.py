@@ -85,14 +85,26 @@ class Fleet:
         return p
 
     def start(self) -> Fleet:
+        self.launch()
+        ok = wait_for(self._up, timeout=30)
+        assert ok, self.logs()
+        return self
+
+    @staticmethod
+    def start_all(nodes: dict[str, Fleet]) -> None:
+        """Start the nodes of a fleet together, as machines booting at once do (each
+        node gives the others ``fleet_grace`` seconds to answer)."""
+        for n in nodes.values():
+            n.launch()
+        for n in nodes.values():
+            assert wait_for(n._up, timeout=30), n.logs()
+
+    def launch(self) -> None:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxfleet", "serve", "--manifests", str(self.dir),
              "--port", str(self.port), "--state-dir", str(self.state), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        ok = wait_for(self._up, timeout=30)
-        assert ok, self.logs()
-        return self
 
     def _up(self) -> bool:
         if self.proc.poll() is not None:

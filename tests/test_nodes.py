@@ -16,7 +16,7 @@ import yaml
 from fleet import Fleet, manifest, wait_for
 
 KEY = "fleet-secret"
-ENV = {"MLXFLEET_FLEET_KEY": KEY, "MLXFLEET_FLEET_GRACE": "4",
+ENV = {"MLXFLEET_FLEET_KEY": KEY, "MLXFLEET_FLEET_GRACE": "6",
        "MLXFLEET_FLEET_POLL_INTERVAL": "0.5"}
 
 
@@ -35,8 +35,7 @@ def nodes(tmp_path_factory):
         node_doc("b", ns["b"].url, "4GB", tier="small"),
         node_doc("c", ns["c"].url, "8GB", chip="m2")]))
     ns["a"].write("models.yaml", models_yaml())
-    for n in ns.values():
-        n.start()
+    Fleet.start_all(ns)
     yield ns
     for n in ns.values():
         n.stop()
@@ -97,6 +96,21 @@ def test_cli_shows_nodes_and_where_models_run(nodes):
     out = a.cli("describe", "model", "pinned-b").stdout
     assert "Node:          b" in out, out
     assert a.cli("load", "pinned-b").returncode == 0
+    # its log, tailed and followed through a node that does not run it
+    assert "loaded builtin:tiny" in a.cli("logs", "pinned-b", "--tail", "50").stdout
+    out = a.dir.parent / "a" / "follow.log"
+    with open(out, "w") as f:
+        follow = subprocess.Popen([sys.executable, "-m", "mlxfleet", "logs", "-f", "pinned-b",
+                                   "--tail", "50"], stdout=f, text=True, env=a.env)
+    try:
+        loaded = lambda: out.read_text().count("loaded builtin:tiny")  # noqa: E731
+        seen = wait_for(loaded, 20)
+        assert seen, out.read_text()
+        assert a.cli("unload", "pinned-b").returncode == 0
+        assert a.cli("load", "pinned-b").returncode == 0  # a new worker logs as it loads
+        assert wait_for(lambda: loaded() > seen, 30), out.read_text()
+    finally:
+        follow.kill()
 
 
 def test_a_model_that_fits_nowhere_is_refused_with_the_reason(nodes):

@@ -24,8 +24,7 @@ def pair(tmp_path_factory):
     ns["a"].write("models.yaml", "---\n".join([
         manifest("sharded", distributed={"nodes": ["a", "b"], "port": free_port()}),
         manifest("whole", placement={"nodes": ["b"]})]))
-    for n in ns.values():
-        n.start()
+    Fleet.start_all(ns)
     yield ns
     for n in ns.values():
         n.stop()

@@ -24,24 +24,33 @@ def _runtime(supervisor: Any, name: str):
 
 
 async def _on_node(supervisor: Any, rt: Any, method: str, path: str):
-    """Ask the node that runs a remote model (load, unload, describe, logs), as if the
-    client had asked it: its answer, status and all."""
+    """Ask the node that runs a remote model (load, unload, describe, logs, followed logs
+    too), as if the client had asked it: its answer, status and all, relayed as it comes."""
     import httpx
-    from quart import Response
 
     rt.check()
     fleet = supervisor.fleet
-    url = fleet.url(rt.node) + "/mlxfleet/v1" + path
+    req = fleet.client.build_request(
+        method, fleet.url(rt.node) + "/mlxfleet/v1" + path, headers=fleet.headers(),
+        params=dict(request.args),
+        timeout=httpx.Timeout(supervisor.settings.startup_timeout, connect=5))
     try:
-        r = await fleet.client.request(method, url, headers=fleet.headers(),
-                                       params={k: v for k, v in request.args.items()
-                                               if k != "follow"}, timeout=httpx.Timeout(
-                                           supervisor.settings.startup_timeout, connect=5))
+        r = await fleet.client.send(req, stream=True)
     except httpx.HTTPError as e:
         raise APIError(503, f"Node '{rt.node}' does not answer: {e or type(e).__name__}",
                        code="node_unreachable") from None
-    return Response(r.content, status=r.status_code,
-                    content_type=r.headers.get("content-type", "application/json"))
+
+    async def relay():
+        try:
+            async for chunk in r.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            pass  # the node went away mid-answer: end it here
+        finally:
+            await r.aclose()
+
+    return streaming_response(relay(), status=r.status_code,
+                              content_type=r.headers.get("content-type", "application/json"))
 
 
 def tail_lines(path: Path, n: int) -> list[str]:
@@ -113,7 +122,7 @@ def register_control(app: Quart, supervisor: Any) -> None:
     @app.get(f"{base}/models/<name>/logs")
     async def logs(name: str):
         rt = _runtime(supervisor, name)
-        if rt.remote:  # a remote model's log is tailed once, not followed
+        if rt.remote:
             return await _on_node(supervisor, rt, "GET", f"/models/{rt.name}/logs")
         try:
             n = int(request.args.get("tail", "100"))
