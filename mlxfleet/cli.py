@@ -589,7 +589,8 @@ def _run_validate(args) -> int:
             for e in r.errors:
                 print(f"error: {e}", file=sys.stderr)
         else:
-            names = ", ".join(lm.manifest.name for lm in r.models) or "no models"
+            names = ", ".join([lm.manifest.name for lm in r.models]
+                              + [f"node {n.name}" for n in r.nodes]) or "no models"
             print(f"ok: {r.file} ({names})")
     return 1 if bad else 0
 

@@ -191,10 +191,42 @@ def test_schema_command_matches_the_committed_schema():
     assert json.loads((ROOT / "docs" / "manifest.schema.json").read_text()) == schema
 
 
-@pytest.mark.parametrize("folder", ["manifests", "examples"])
+@pytest.mark.parametrize("folder", ["manifests", "examples", "examples/fleet"])
 def test_bundled_manifests_and_examples_validate(folder):
     results = load_paths([ROOT / folder])
     assert results and not [str(e) for r in results for e in r.errors]
+
+
+NODE = "apiVersion: mlxfleet/v1\nkind: Node\nmetadata: {name: %s}\nspec: {url: '%s'}\n"
+SHARDED = ("apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: big}\n"
+           "spec: {source: builtin:tiny, %s}\n")
+
+
+@pytest.mark.parametrize("text,where,words", [
+    (NODE % ("studio", "studio.local:8000"), "spec.url", "must be an http(s) URL"),
+    (NODE % ("Studio", "http://studio.local:8000"), "metadata.name", "lowercase DNS label"),
+    (SHARDED % "distributed: {nodes: [a]}", "spec.distributed", "at least two"),
+    (SHARDED % "distributed: {nodes: [a, b], size: 2}", "spec.distributed", "either nodes"),
+    (SHARDED % "task: embedding, distributed: {size: 2}", "spec", "text generation"),
+    (SHARDED % "placement: {nodez: [a]}", "spec.placement.nodez", "unknown field"),
+])
+def test_fleet_documents_are_checked(text, where, words):
+    errors = parse_text(text, "f.yaml").errors
+    assert errors and errors[0].field == where and words in errors[0].message, errors
+
+
+def test_nodes_parse_beside_models_and_a_node_name_is_unique():
+    a = parse_text(NODE % ("studio", "http://studio.local:8000/") + "---\n"
+                   + SHARDED % "placement: {nodeSelector: {tier: big}}", "a.yaml")
+    assert not a.errors and [n.name for n in a.nodes] == ["studio"]
+    assert a.nodes[0].spec.url == "http://studio.local:8000" and a.nodes[0].spec.host == \
+        "studio.local"
+    assert a.models[0].manifest.spec.placement.node_selector == {"tier": "big"}
+    b = parse_text(NODE % ("studio", "http://other:8000"), "b.yaml")
+    from mlxfleet.manifest import check_unique
+
+    check_unique([a, b])
+    assert "already defined by a.yaml" in str(b.errors[0])
 
 
 def test_settings_flags_override_env_override_file(tmp_path, monkeypatch):
