@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,3 +107,21 @@ def worker(start_worker) -> WorkerProc:
     """The shared worker most tests talk to: builtin:tiny, 16 concurrent sequences."""
     return start_worker("--max-concurrency", "16", "--max-request-tokens", "1500",
                         "--temperature", "0.7")
+
+
+#: Debian's chromium (scripts/setup.sh test installs it), for the dashboard's tests.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium driven by Playwright."""
+    from playwright.sync_api import sync_playwright
+
+    if CHROMIUM is None and not os.environ.get("CI"):
+        pytest.skip("no chromium here (scripts/setup.sh test installs it)")
+    assert CHROMIUM, "chromium is missing: scripts/setup.sh test installs it"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()

@@ -7,29 +7,17 @@ Screenshots of each page are saved in the test's temporary folder and checked no
 from __future__ import annotations
 
 import os
-import shutil
 
 import httpx
 import pytest
+from conftest import CHROMIUM
 from fleet import Fleet, manifest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and not os.environ.get("CI"):
     pytest.skip("no chromium here (scripts/setup.sh test installs it)",
                 allow_module_level=True)
 
 KEY = "dash-key-123"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert CHROMIUM, "chromium is missing: scripts/setup.sh test installs it"
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

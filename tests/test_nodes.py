@@ -113,6 +113,28 @@ def test_cli_shows_nodes_and_where_models_run(nodes):
         follow.kill()
 
 
+def test_the_dashboard_shows_the_nodes_and_where_models_run(nodes, browser, tmp_path):
+    from PIL import Image
+
+    pg = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(nodes["b"].url + "/#nodes")
+    pg.wait_for_selector("#nodes-table tr[data-node='c']")
+    for n in "abc":
+        assert pg.inner_text(f"#nodes-table tr[data-node='{n}'] td.phase") == "Ready"
+    assert "(this)" in pg.inner_text("#nodes-table tr[data-node='b']")
+    assert "free1" in pg.inner_text("#nodes-table tr[data-node='c']")
+    pg.screenshot(path=str(tmp_path / "nodes.png"), full_page=True)
+    assert len(Image.open(tmp_path / "nodes.png").convert("RGB").getcolors(1 << 20)) > 20
+    pg.goto(nodes["b"].url + "/#models")
+    pg.wait_for_selector("#models-table tr[data-model='sel-c']")
+    assert pg.inner_text("#models-table tr[data-model='sel-c'] td:nth-child(5)") == "c"
+    assert pg.inner_text("#models-table tr[data-model='huge'] td.phase") == "Unschedulable"
+    pg.close()
+    assert not errors, errors
+
+
 def test_a_model_that_fits_nowhere_is_refused_with_the_reason(nodes):
     with pytest.raises(openai.APIStatusError) as e:
         nodes["b"].chat("huge")

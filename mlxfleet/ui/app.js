@@ -86,9 +86,12 @@ const HISTORY = 300; // samples (one a second): five minutes
 async function poll() {
   if (keyAsked) return;
   try {
-    const [models, status] = await Promise.all([api("/mlxfleet/v1/models"), api("/v1/status")]);
+    const [models, status, nodes] = await Promise.all([
+      api("/mlxfleet/v1/models"), api("/v1/status"), api("/mlxfleet/v1/nodes")]);
     state.models = models;
     state.status = status;
+    state.nodes = nodes;
+    $("#nav-nodes").hidden = !nodes.items.length; // a fleet's node (serve --node) only
     sample(models, status);
     $("#conn").textContent = "";
     render();
@@ -142,6 +145,7 @@ function render() {
   if (!state.models) return;
   if (page === "models" || !$(`#page-${page}`)) renderModels();
   else if (page === "model") renderDetail(arg);
+  else if (page === "nodes") renderNodes();
   else if (page === "requests") renderRequests();
   else if (page === "metrics") renderMetrics();
   else if (page === "chat") renderChatModels();
@@ -261,6 +265,20 @@ function followLog(name) {
       }
     } catch (e) { /* page left, or the server went away */ }
   })();
+}
+
+function renderNodes() {
+  const { items, node } = state.nodes;
+  $("#nodes-self").textContent = node ? `answering: ${node}` : "not a fleet (serve --node)";
+  $("#nodes-table tbody").replaceChildren(...items.map((n) => el("tr", { "data-node": n.name },
+    el("td", {}, n.self ? `${n.name} (this)` : n.name),
+    el("td", { class: "src" }, n.url),
+    el("td", { class: `phase ${n.status}`, title: n.error || "" }, n.status),
+    el("td", {}, n.models.join(", ") || "-"),
+    el("td", {}, `${gib(n.memory.usedBytes)} / ${gib(n.memory.capacityBytes)}`),
+    el("td", {}, Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "-"),
+    el("td", {}, n.chip || "-"),
+    el("td", {}, n.lastSeenSecondsAgo == null ? "-" : `${n.lastSeenSecondsAgo} s ago`))));
 }
 
 function renderRequests() {
