@@ -13,6 +13,7 @@ added later counts once it answers).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import platform
 import time
@@ -203,6 +204,7 @@ class Fleet:
             await self._client.aclose()
 
 
+@functools.cache
 def chip() -> str:
     """The processor's name (Apple M2 Max, an x86 model name), for ``get nodes``."""
     import subprocess
