@@ -98,14 +98,14 @@ def test_keep_alive_unloads_when_idle_but_never_mid_stream(fleet):
     pid = fleet.wait_ready("slow")["pid"]
     got = {}
     t0 = time.monotonic()
-    t = _long_stream(fleet, "slow", 1200, got)
+    t = _long_stream(fleet, "slow", 500, got)
     # Well past the 1s keep-alive, the model is still loaded while it streams.
     while t.is_alive() and time.monotonic() - t0 < 3:
         assert fleet.status("slow")["pid"] == pid
         time.sleep(0.2)
     assert time.monotonic() - t0 >= 2.5, "stream too short to test keep-alive"
     t.join(120)
-    assert got["tokens"] == 1200
+    assert got["tokens"] == 500
     st = wait_for(lambda: (s := fleet.status("slow"))["phase"] == "Unloaded" and s, 10)
     assert st and st["pid"] is None and not st["loaded"]
     assert wait_for(lambda: not psutil.pid_exists(pid), 10)
@@ -225,18 +225,18 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
 
         # b streams a long answer; a request for a must evict idle c, not busy b.
         got = {}
-        t = _long_stream(f, "b", 1500, got)
+        t = _long_stream(f, "b", 900, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
         f.chat("a")
         assert f.status("c")["phase"] == "Unloaded"
         assert f.status("b")["pid"] == b_pid
         t.join(120)
-        assert got["tokens"] == 1500  # the stream completed intact
+        assert got["tokens"] == 900  # the stream completed intact
 
         # Pin a; keep b busy: nothing can make room for c -> 503 that explains.
         f.write("a.yaml", manifest("a", **{**spec, "pinned": True}))
         assert wait_for(lambda: f.status("a")["pinned"], 10)
-        t = _long_stream(f, "b", 1500, got)
+        t = _long_stream(f, "b", 900, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
         r = httpx.post(f.url + "/v1/chat/completions", timeout=60,
                        json={"model": "c", "messages": MSG})
@@ -280,9 +280,9 @@ def test_prompt_cache_hits_and_stays_within_budget(start_worker):
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     assert again.choices[0].message.content == first.choices[0].message.content
     budget = 1 << 20
-    for i in range(200):
+    for i in range(60):  # about six entries fit: many evictions
         client.completions.create(model="tiny", prompt=f"{i} {long} {i}", max_tokens=2)
-        if i % 20 == 0:
+        if i % 10 == 0:
             pc = w.status()["prompt_cache"]
             assert pc["bytes"] <= budget, pc
     pc = w.status()["prompt_cache"]
