@@ -98,12 +98,13 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["X-Request-Id"] = g.request_id
         rt = supervisor.resolve(model)
-        if rt is not None and rt.remote and g.get("forwarded_by"):
+        remote = rt is not None and rt.remote  # another node runs it (and loads it)
+        if remote and g.get("forwarded_by"):
             raise _moved(rt, supervisor.node_name)
         timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
         deadline = time.monotonic() + timeout
         ollama = request.path.startswith("/api/")
-        if ollama and not (rt is not None and rt.remote):  # remote: that node does it
+        if ollama and not remote:
             done = await load_or_unload(supervisor, request.path, body, model, keep_alive,
                                         deadline)
             if done is not None:
@@ -125,7 +126,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
 
         target = (request.method, request.path, raw, headers)
         acquire = supervisor.acquire(model, deadline, keep_alive)
-        if rt is not None and not rt.remote and not rt.ready and body.get("stream") is True \
+        if rt is not None and not remote and not rt.ready and body.get("stream") is True \
                 and not ollama:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.

@@ -66,6 +66,7 @@ class Fleet:
         self.placements: dict[str, Placement] = {}
         self._estimates: dict[tuple[str, Optional[str]], int] = {}
         self._client: Optional[httpx.AsyncClient] = None
+        self.polled = False  # the other nodes were asked once (before the first placement)
 
     # ---- membership --------------------------------------------------------
 
@@ -149,13 +150,9 @@ class Fleet:
                 out.append(NodeView(name, dict(n.metadata.labels), own_capacity, True,
                                     self.held))
                 continue
-            p = self.peers[name]
-            rep = p.report or {}
-            cap = n.spec.memory_bytes(int((rep.get("memory") or {}).get("totalBytes") or 0)
-                                      or (1 << 40)) if n.spec.memory else \
-                (rep.get("memory") or {}).get("capacityBytes")
-            out.append(NodeView(name, dict(n.metadata.labels), cap, self.healthy(name),
-                                frozenset(rep.get("holds") or ())))
+            rep = self.peers[name].report or {}
+            out.append(NodeView(name, dict(n.metadata.labels), capacity(n, rep),
+                                self.healthy(name), frozenset(rep.get("holds") or ())))
         return out
 
     # ---- polling -----------------------------------------------------------
@@ -177,6 +174,7 @@ class Fleet:
 
     async def poll_once(self, timeout: float) -> None:
         await asyncio.gather(*(self._poll(p, timeout) for p in list(self.peers.values())))
+        self.polled = True
 
     async def _poll(self, p: Peer, timeout: float) -> None:
         try:
@@ -202,6 +200,15 @@ class Fleet:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def capacity(node: NodeManifest, report: dict) -> Optional[int]:
+    """What ``node`` may use: its manifest's ``spec.memory`` (a share resolved against the
+    machine's memory it reports), else the budget it reports (None before it answers)."""
+    mem = report.get("memory") or {}
+    if node.spec.memory:
+        return node.spec.memory_bytes(int(mem.get("totalBytes") or 0) or (1 << 40))
+    return mem.get("capacityBytes")
 
 
 @functools.cache

@@ -21,7 +21,6 @@ log = logging.getLogger("mlxfleet.supervisor")
 class FleetMembership:
     """Mixed into Supervisor, whose fields it reads."""
 
-
     def _nodes(self, results: list[FileResult]) -> list[NodeManifest]:
         """The Node manifests of the folder; a broken file keeps its last good nodes (a
         typo must not make its nodes vanish and their models move)."""
@@ -149,6 +148,8 @@ class FleetMembership:
 
     def nodes_status(self) -> list[dict[str, Any]]:
         """Every node as this one sees it (``get nodes``)."""
+        from .fleet import capacity
+
         fleet = self.fleet
         if fleet is None:
             return []
@@ -161,13 +162,11 @@ class FleetMembership:
                 rep, err = p.report or {}, p.error
                 seen = None if p.last_ok is None else time.monotonic() - p.last_ok
             mem = rep.get("memory") or {}
-            cap = n.spec.memory_bytes(mem.get("totalBytes") or (1 << 40)) \
-                if n.spec.memory else mem.get("capacityBytes")
             out.append({
                 "name": name, "url": n.spec.url, "labels": dict(n.metadata.labels),
                 "status": fleet.node_status(name), "self": name == fleet.me,
                 "models": sorted(m for m, p in fleet.placements.items() if name in p.nodes),
-                "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": cap,
+                "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": capacity(n, rep),
                            "totalBytes": mem.get("totalBytes")},
                 "chip": rep.get("chip"), "system": rep.get("system"),
                 "version": rep.get("version"), "startedAt": rep.get("startedAt"),

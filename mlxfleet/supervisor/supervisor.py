@@ -110,10 +110,6 @@ class Supervisor(FleetMembership):
         if not self.manifests_dir.exists():
             log.warning("manifests folder %s does not exist; creating it", self.manifests_dir)
             self.manifests_dir.mkdir(parents=True)
-        if self.fleet is not None:  # hear from the other nodes before placing anything
-            results = await asyncio.to_thread(load_paths, [self.manifests_dir])
-            self.fleet.set_nodes(self._nodes(results))
-            await self.fleet.poll_once(timeout=2.0)
         await self.reload()
         self._watch_task = asyncio.create_task(self._watch())
         if self.fleet is not None:
@@ -246,6 +242,8 @@ class Supervisor(FleetMembership):
             desired = self._desired(results, owners)
             if self.fleet is not None:
                 self.fleet.set_nodes(self._nodes(results))
+                if not self.fleet.polled:  # hear from the others before placing anything
+                    await self.fleet.poll_once(timeout=2.0)
                 await self._measure(desired)
             self._wanted = desired
             self._apply()
