@@ -21,6 +21,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from typing import Any, Optional
 
 log = logging.getLogger("mlxfleet.worker")
@@ -118,7 +119,7 @@ def follow(engine: Any, channel: Channel) -> None:
     while not engine._stop:
         msg = channel.receive()
         op = msg[0]
-        engine.heartbeat = __import__("time").monotonic()
+        engine.heartbeat = time.monotonic()
         if op == "insert":
             _, prompts, max_tokens, all_tokens, (p, count) = msg
             bg.insert(prompts, max_tokens=max_tokens, caches=[None] * count,

@@ -277,17 +277,19 @@ class Engine:
         self._special = special_token_ids(self.tokenizer)
         self._reserved = 0
         self.prompt_cache = self._new_prompt_cache()
-        if cfg.sharded:
-            from .distributed import MirroredBatch, NoPromptCache
+        if cfg.sharded and cfg.dist_rank == 0:
+            from .distributed import MirroredBatch
 
-            self.prompt_cache = NoPromptCache()
-            if cfg.dist_rank == 0:
-                self._bg = MirroredBatch(self._bg, self._channel)
+            self._bg = MirroredBatch(self._bg, self._channel)
 
     def _new_prompt_cache(self):
         """The block cache when asked for and the model's layers can be cut into blocks
-        (plain ``KVCache``), else the whole-prompt LRU."""
+        (plain ``KVCache``), else the whole-prompt LRU; none for a sharded model."""
         cfg = self.config
+        if cfg.sharded:
+            from .distributed import NoPromptCache
+
+            return NoPromptCache()
         if cfg.paged_cache:
             from mlx_lm.models.cache import KVCache, make_prompt_cache
 
