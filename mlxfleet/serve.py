@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+
+import uvicorn
 
 from .settings import ServerSettings
 
@@ -12,9 +15,6 @@ log = logging.getLogger("mlxfleet")
 
 
 async def serve(settings: ServerSettings) -> None:
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
-
     from .api.gateway import create_gateway
     from .api.guard import is_loopback
     from .supervisor.supervisor import Supervisor
@@ -50,14 +50,29 @@ async def serve(settings: ServerSettings) -> None:
         if mcp is not None:
             await mcp.stop()
 
-    config = Config()
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{settings.port}"]
-    config.graceful_timeout = settings.drain_timeout
-    config.keep_alive_timeout = 75
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    server = _Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, http="httptools" if _has("httptools")
+        else "h11", lifespan="on", timeout_graceful_shutdown=settings.drain_timeout,
+        timeout_keep_alive=75, access_log=False, log_config=None, server_header=False,
+        ws="none", proxy_headers=False))  # the peer address is the client's, as before
+    watch = asyncio.create_task(stop.wait())
+    watch.add_done_callback(lambda _: setattr(server, "should_exit", True))
+    await server.serve()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with our own signal handlers (set above): its own would re-raise the
+    signal after a clean shutdown and turn exit code 0 into a kill."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _mcp_manager(settings: ServerSettings):

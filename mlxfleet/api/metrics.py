@@ -19,7 +19,7 @@ from quart import Quart, Response, g, request
 from .guard import OPEN_ROUTES
 
 log = logging.getLogger("mlxfleet.gateway")
-_SCOPE_KEY = "mlxfleet.request"
+SCOPE_KEY = "mlxfleet.request"  # the request's metrics labels, in the ASGI scope
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -57,7 +57,7 @@ class Metrics:
             if scope["type"] != "http" or scope["path"] in OPEN_ROUTES:
                 return await inner(scope, receive, send)
             state: dict[str, Any] = {"status": None, "done": False}
-            scope[_SCOPE_KEY] = state
+            scope[SCOPE_KEY] = state
 
             async def watch(message):
                 if message["type"] == "http.response.start":
@@ -83,7 +83,7 @@ class Metrics:
 
         @app.before_request
         async def _route():
-            state = request.scope.get(_SCOPE_KEY)
+            state = request.scope.get(SCOPE_KEY)
             if state is not None:  # label by route template: paths are unbounded
                 state["route"] = route_label()
 
@@ -91,8 +91,7 @@ class Metrics:
         async def _done(response: Response):
             started = getattr(g, "started", None)
             if started is not None and request.path not in OPEN_ROUTES:
-                self.latency.labels(getattr(g, "model", "") or "", route_label()).observe(
-                    time.perf_counter() - started)
+                self.answered(getattr(g, "model", "") or "", route_label(), started)
             return response
 
         if enabled:
@@ -103,10 +102,14 @@ class Metrics:
                 await self.refresh()
                 return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
-    def observe_stream(self, body: AsyncIterator[bytes], model: str) -> AsyncIterator[bytes]:
-        """Wrap a streamed body to time its first and last chunks. Call it in the handler:
-        the body itself runs outside the request context."""
-        t0 = getattr(g, "started", time.perf_counter())
+    def answered(self, model: str, route: str, t0: float) -> None:
+        """The response headers of a request that arrived at ``t0`` are going out."""
+        self.latency.labels(model, route).observe(time.perf_counter() - t0)
+
+    def observe_stream(self, body: AsyncIterator[bytes], model: str,
+                       t0: float) -> AsyncIterator[bytes]:
+        """Wrap a streamed body to time its first and last chunks from ``t0``, the
+        request's arrival (``time.perf_counter()``)."""
 
         async def timed():
             first = True
@@ -181,14 +184,6 @@ def route_label() -> str:
     """The route template (``/mlxfleet/v1/models/<name>``), or one label for unknown paths."""
     rule = request.url_rule
     return rule.rule if rule is not None else UNMATCHED
-
-
-def tag_model(name: str) -> None:
-    """Record which model the current request went to (metrics label, 499 logs)."""
-    g.model = name
-    state = request.scope.get(_SCOPE_KEY)
-    if state is not None:
-        state["model"] = name
 
 
 class _ModelCollector:

@@ -13,6 +13,8 @@ each protocol renders in its own shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -40,6 +42,28 @@ class AdmissionError(APIError):
 def time_left(deadline: float) -> float:
     """Seconds until a ``time.monotonic()`` deadline (never negative)."""
     return max(0.0, deadline - time.monotonic())
+
+
+if sys.version_info >= (3, 11):
+    def until(deadline: float) -> Any:
+        """``async with until(deadline):`` raises ``TimeoutError`` when the deadline passes.
+        Unlike ``asyncio.wait_for`` it starts no task: it is on every request's path."""
+        return asyncio.timeout(time_left(deadline))
+else:  # pragma: no cover - Python 3.10
+    @contextlib.asynccontextmanager
+    async def until(deadline: float) -> Any:
+        task = asyncio.current_task()
+        fired = []
+        handle = asyncio.get_running_loop().call_later(
+            time_left(deadline), lambda: (fired.append(1), task.cancel()))
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
 
 
 def queue_check(rt: ModelRuntime) -> None:
@@ -122,8 +146,8 @@ class Lease:
         (it just crashed or is stopping) is waited for once, then it is a 502."""
         for attempt in range(2):
             try:
-                return await asyncio.wait_for(
-                    self.worker.forward(method, path, body, headers), time_left(self.deadline))
+                async with until(self.deadline):
+                    return await self.worker.forward(method, path, body, headers)
             except WorkerUnreachable as e:
                 if attempt == 1:
                     raise AdmissionError(502, f"The worker for model '{self.name}' failed: "
@@ -135,7 +159,7 @@ class Lease:
             except WorkerFailed as e:
                 raise AdmissionError(502, f"The worker for model '{self.name}' failed: {e}",
                                      "worker_unavailable") from None
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, TimeoutError):
                 raise timeout_error(self.name) from None
         raise AssertionError("unreachable")
 

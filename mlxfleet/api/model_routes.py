@@ -1,0 +1,362 @@
+"""The model routes (``POST /v1/chat/completions`` and the rest of ``MODEL_ROUTES``) as a
+lean ASGI app in front of Quart, which keeps every other route.
+
+Every request takes this path, so it is plain ASGI: read ``model`` -> the guard ->
+``supervisor.acquire`` (a lease on a ready worker, loading it on demand) -> forward over
+the worker interface -> relay the answer, streamed chunk by chunk as the worker wrote it.
+Quart's request and response objects, context locals and hooks cost about a quarter of
+the gateway's time per request (py-spy, ``benchmarks/hop.py``) and do nothing here.
+Errors leave in the protocol's own shape (``wire``), in-band once a stream has started.
+A client that hangs up is noticed at once (a watcher on ``receive``): its request is
+cancelled, which closes the connection to the worker, which stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+import httpx
+
+from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
+from ..units import parse_duration
+from ..wire import APIError, error_body, error_type_for, parse_json_body, stream_error
+from .guard import Guard, request_id
+from .mcp import respond_with_mcp
+from .metrics import SCOPE_KEY, Metrics
+from .ollama import load_or_unload
+from .responses import ResponseStore
+
+log = logging.getLogger("mlxfleet.gateway")
+
+#: Routes forwarded to the worker named by the body's ``model``.
+MODEL_ROUTES = frozenset([
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
+    "/v1/responses"])
+#: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
+_STREAMING = ("text/event-stream", "application/x-ndjson")
+_FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
+_STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class ModelRoutes:
+    """ASGI: the model routes here, anything else to ``fallback`` (the Quart app)."""
+
+    def __init__(self, supervisor: Any, guard: Guard, metrics: Metrics,
+                 store: ResponseStore, mcp: Any, fallback: Any):
+        self.sup, self.guard, self.metrics = supervisor, guard, metrics
+        self.store, self.mcp, self.fallback = store, mcp, fallback
+        settings = supervisor.settings
+        self.settings = settings
+        self.max_body = settings.max_body_mb << 20
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" \
+                or scope["path"] not in MODEL_ROUTES:
+            return await self.fallback(scope, receive, send)
+        t0 = time.perf_counter()
+        path = scope["path"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        out = _Reply(send, request_id(headers.get("x-request-id")), path,
+                     scope.get(SCOPE_KEY), self.metrics, t0)
+        task = asyncio.current_task()
+        watcher: Optional[asyncio.Future] = None
+        try:
+            client = scope.get("client")
+            sender = self.guard.check(path, "POST", headers, client[0] if client else "")
+            raw = await self._body(receive, headers)
+            watcher = asyncio.ensure_future(_hang_up(receive, task))
+            await self._serve(path, raw, headers, sender, out)
+        except APIError as err:
+            await out.error(err)
+        except asyncio.CancelledError:
+            if watcher is None or not watcher.done() or watcher.cancelled():
+                raise  # the server is stopping
+            if hasattr(task, "uncancel"):
+                task.uncancel()  # the client left: nothing more to send
+        except Exception as err:  # a bug: say so in the protocol's shape, keep serving
+            log.exception("unexpected error on POST %s", path)
+            await out.error(APIError(500, f"Internal error: {type(err).__name__}: {err}",
+                                     type=error_type_for(500), code="internal_error"))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _body(self, receive: Any, headers: dict[str, str]) -> bytes:
+        """The whole body, at most ``max_body_mb``, within ``body_timeout``."""
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            raise APIError(413, "The request body is too large.", code="request_too_large")
+        parts, size = [], 0
+        try:
+            async with until(time.monotonic() + self.settings.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise asyncio.CancelledError  # nobody to answer
+                    parts.append(message.get("body", b""))
+                    size += len(parts[-1])
+                    if size > self.max_body:
+                        raise APIError(413, "The request body is too large.",
+                                       code="request_too_large")
+                    if not message.get("more_body"):
+                        return b"".join(parts)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise APIError(408, "The request body did not arrive in time.",
+                           code="request_timeout") from None
+
+    async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
+                     sender: Optional[str], out: _Reply) -> None:
+        sup, settings, store = self.sup, self.settings, self.store
+        body = parse_json_body(raw)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "You must provide a model parameter.", param="model",
+                           code="missing_required_parameter")
+        keep_alive = _keep_alive(body["keep_alive"]) if "keep_alive" in body else None
+        fwd = {k: headers[k] for k in _FORWARD_HEADERS if k in headers}
+        fwd["X-Request-Id"] = out.request_id
+        rt = sup.resolve(model)
+        remote = rt is not None and rt.remote  # another node runs it (and loads it)
+        if remote and sender:
+            raise _moved(rt, sup.node_name)
+        timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
+        deadline = time.monotonic() + timeout
+        ollama = path.startswith("/api/")
+        if ollama and not remote:
+            done = await load_or_unload(sup, path, body, model, keep_alive, deadline)
+            if done is not None:
+                return await out.json(done)
+        pending = None
+        if path == "/v1/responses":
+            sent, pending = store.prepare(body)
+            if sent is not body:
+                raw = json.dumps(sent).encode()
+            if any(isinstance(t, dict) and t.get("type") == "mcp"
+                   for t in sent.get("tools") or []):
+                resp = await respond_with_mcp(self.mcp, sent, lambda b: _ask_worker(
+                    sup, model, deadline, keep_alive, b, fwd))
+                store.put(resp, pending)
+                return await out.json(resp)
+
+        def relayed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            return store.capture_stream(chunks, pending) if pending else chunks
+
+        target = ("POST", path, raw, fwd)
+        acquire = sup.acquire(model, deadline, keep_alive)
+        if rt is not None and not remote and not rt.ready and body.get("stream") is True \
+                and not ollama:
+            # Start the SSE stream now and keep it alive with comments while the
+            # model loads, so clients and proxies do not time out.
+            out.model = rt.name
+            return await out.stream(200, "text/event-stream", relayed(
+                _stream_after_load(acquire, target, settings.sse_keepalive_interval)))
+        lease = await acquire
+        out.model = lease.name
+        try:
+            upstream = await lease.send(*target)
+        except BaseException:
+            lease.release()
+            raise
+        ctype = upstream.headers.get("content-type", "application/json")
+        if ctype.startswith(_STREAMING):
+            return await out.stream(upstream.status_code, ctype,
+                                    relayed(_relay(lease, upstream, path)))
+        try:
+            async with until(deadline):
+                content = await upstream.aread()
+        except (asyncio.TimeoutError, TimeoutError):
+            raise timeout_error(lease.name, timeout) from None
+        except httpx.TransportError as e:
+            raise APIError(502, f"The worker for model '{lease.name}' failed mid-request: "
+                           f"{e}", type="server_error", code="worker_failed") from None
+        finally:
+            await upstream.aclose()  # on timeout this aborts the generation in the worker
+            lease.release()
+        if pending and upstream.status_code == 200:
+            store.capture(content, pending)
+        extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
+            if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
+        await out.send(upstream.status_code, ctype, content, extra)
+
+
+class _Reply:
+    """The answer to one request: headers once, the request id, metrics labels."""
+
+    def __init__(self, send: Any, rid: str, path: str, labels: Optional[dict],
+                 metrics: Metrics, t0: float):
+        self._send, self.request_id, self.path = send, rid, path
+        self.labels, self.metrics, self.t0 = labels, metrics, t0
+        self.started = False
+        self._model = ""
+        if labels is not None:
+            labels["route"] = path
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @model.setter
+    def model(self, name: str) -> None:
+        self._model = name
+        if self.labels is not None:
+            self.labels["model"] = name
+
+    async def _start(self, status: int, ctype: str, extra: list) -> None:
+        self.started = True
+        self.metrics.answered(self._model, self.path, self.t0)
+        await self._send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", ctype.encode("latin-1")),
+            (b"x-request-id", self.request_id.encode()), *extra]})
+
+    async def send(self, status: int, ctype: str, content: bytes, extra: list = ()) -> None:
+        await self._start(status, ctype, [(b"content-length", str(len(content)).encode()),
+                                          *extra])
+        await self._send({"type": "http.response.body", "body": content})
+
+    async def json(self, obj: Any, status: int = 200, extra: list = ()) -> None:
+        await self.send(status, "application/json", json.dumps(obj).encode(), extra)
+
+    async def error(self, err: APIError) -> None:
+        if self.started:  # cannot happen: streams report errors in-band
+            log.error("POST %s: %s after the answer started", self.path, err.message)
+            return
+        await self.json(error_body(err, self.path), err.status,
+                        [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()])
+
+    async def stream(self, status: int, ctype: str, body: AsyncIterator[bytes]) -> None:
+        body = self.metrics.observe_stream(body, self._model, self.t0)
+        await self._start(status, ctype, _STREAM_HEADERS)
+        try:
+            async for chunk in body:
+                await self._send({"type": "http.response.body", "body": chunk,
+                                  "more_body": True})
+        finally:
+            await body.aclose()  # runs the relay's clean-up if we were cancelled mid-way
+        await self._send({"type": "http.response.body", "body": b""})
+
+
+async def _hang_up(receive: Any, task: asyncio.Task) -> None:
+    """Cancel ``task`` when its client disconnects."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
+
+
+async def _ask_worker(supervisor: Any, model: str, deadline: float, keep_alive: Any,
+                      body: dict, headers: dict) -> dict:
+    """One non-streaming /v1/responses round on the model's worker (the MCP tool loop)."""
+    async with supervisor.acquire(model, deadline, keep_alive) as lease:
+        upstream = await lease.send("POST", "/v1/responses", json.dumps(body).encode(),
+                                    headers)
+        try:
+            async with until(deadline):
+                content = await upstream.aread()
+        except (asyncio.TimeoutError, TimeoutError):
+            raise timeout_error(lease.name) from None
+        finally:
+            await upstream.aclose()
+    data = json.loads(content)
+    if upstream.status_code != 200:
+        err = data.get("error") or {}
+        raise APIError(upstream.status_code, err.get("message", "the model failed"),
+                       type=err.get("type") or "server_error", param=err.get("param"),
+                       code=err.get("code"))
+    return data
+
+
+def _moved(rt: Any, me: str) -> APIError:
+    """A request another node forwarded here for a model this node does not run: the
+    nodes' placements disagree for a moment (a node just came or went). It is refused,
+    never forwarded again, so requests cannot go round in circles."""
+    where = f"node '{rt.node}'" if rt.node else "no node"
+    return AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node '{me}' that "
+                          "this request was forwarded to; the nodes are updating their "
+                          "placement, retry shortly.", "model_moved", retry_after=1)
+
+
+def _keep_alive(value: Any) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise APIError(400, f"Invalid keep_alive: {e}", param="keep_alive",
+                       code="invalid_value") from None
+
+
+async def _relay(lease: Lease, upstream: Any, path: str) -> AsyncIterator[bytes]:
+    """The worker's stream, chunk by chunk, until the request's deadline."""
+    chunks = upstream.aiter_raw()
+    try:
+        while True:
+            try:
+                async with until(lease.deadline):  # per chunk: never around a yield
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            yield chunk
+    except (asyncio.TimeoutError, TimeoutError):
+        err = timeout_error(lease.name)
+        log.warning("%s: %s", lease.name, err.message)
+        yield stream_error(err, path).encode()
+    except httpx.TransportError as e:
+        log.warning("%s: stream broke: %s", lease.name, e)
+        err = APIError(502, f"The worker for model '{lease.name}' failed mid-stream.",
+                       type="server_error", code="worker_failed")
+        yield stream_error(err, path).encode()
+    finally:
+        await upstream.aclose()
+        lease.release()
+
+
+async def _stream_after_load(acquire: Any, target: tuple, keepalive: float
+                             ) -> AsyncIterator[bytes]:
+    """A stream whose model is not loaded yet: keep-alive comments, then the answer."""
+    path = target[1]
+    load = asyncio.ensure_future(acquire)
+    lease = None
+    try:
+        while True:
+            done, _ = await asyncio.wait({load}, timeout=keepalive)
+            if done:
+                break
+            yield f": loading model {acquire.model}\n\n".encode()
+        lease = load.result()
+        upstream = await lease.send(*target)
+    except AdmissionError as err:
+        if lease is not None:
+            lease.release()
+        yield stream_error(err, path).encode()
+        return
+    except BaseException:  # the client left while we waited: give the worker back
+        if lease is not None:
+            lease.release()
+        raise
+    finally:
+        if not load.done():
+            load.cancel()
+        elif lease is None and not load.cancelled() and load.exception() is None:
+            load.result().release()  # acquired just as the client left
+    if upstream.status_code != 200:  # e.g. a 400 from the worker: report it in-band
+        body = await upstream.aread()
+        await upstream.aclose()
+        lease.release()
+        yield _in_band(body, upstream.status_code, path).encode()
+        return
+    async for chunk in _relay(lease, upstream, path):
+        yield chunk
+
+
+def _in_band(body: bytes, status: int, path: str) -> str:
+    """A worker's error response, re-sent as the last event of a started stream."""
+    try:
+        err = json.loads(body)["error"]
+        message = err["message"] if isinstance(err, dict) else str(err)
+        code = err.get("code") if isinstance(err, dict) else None
+    except (ValueError, KeyError, TypeError):
+        message, code = body.decode(errors="replace"), None
+    return stream_error(APIError(status, message, code=code), path)

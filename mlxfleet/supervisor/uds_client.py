@@ -1,0 +1,176 @@
+"""HTTP/1.1 to one worker over its Unix socket: the gateway's hop, kept lean.
+
+Hand-written rather than httpx because the hop is on every request: httpx, httpcore and
+anyio cost about half of the gateway's time per request (py-spy, benchmarks/hop.py), for
+features a private socket to our own server never uses (URLs, cookies, redirects, proxies,
+HTTP/2, pool limits). The server on the other end is the worker's Hypercorn, so the
+framing needed is small: Content-Length or chunked bodies, keep-alive connections.
+
+Errors mid-body are raised as httpx's transport errors, so callers handle one family
+whether a model runs here (this client) or on another node (httpx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from .handle import WorkerFailed, WorkerUnreachable
+
+_MAX_HEAD = 64 << 10  # response line and headers
+_READ = 64 << 10
+_IDLE_CONNECTIONS = 32  # kept open per worker; more are closed when returned
+
+
+class UpstreamResponse:
+    """A worker's answer, its body not read yet: the subset of ``httpx.Response`` the
+    gateway uses (``status_code``, ``headers``, ``aread``, ``aiter_raw``, ``aclose``)."""
+
+    def __init__(self, client: UDSClient, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, status: int, headers: dict[str, str],
+                 head_only: bool):
+        self._client, self._reader, self._writer = client, reader, writer
+        self.status_code = status
+        self.headers = headers
+        self._done = False
+        te = headers.get("transfer-encoding", "").lower()
+        self._chunked = "chunked" in te
+        length = headers.get("content-length")
+        self._left: Optional[int] = 0 if head_only else (
+            None if self._chunked or length is None else int(length))
+        self._reusable = headers.get("connection", "").lower() != "close" and (
+            self._chunked or self._left is not None)
+
+    async def aread(self) -> bytes:
+        return b"".join([c async for c in self.aiter_raw()])
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, each chunk as the worker wrote it (no re-chunking)."""
+        if self._done:
+            return
+        r = self._reader
+        try:
+            if self._chunked:
+                while True:
+                    line = await r.readuntil(b"\r\n")
+                    size = int(line.split(b";", 1)[0], 16)
+                    if size == 0:
+                        while await r.readuntil(b"\r\n") != b"\r\n":
+                            pass  # trailers
+                        break
+                    data = await r.readexactly(size + 2)
+                    yield data[:-2]
+            elif self._left is not None:
+                while self._left:
+                    data = await r.read(min(self._left, _READ))
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", self._left)
+                    self._left -= len(data)
+                    yield data
+            else:  # no framing: the body ends when the worker closes
+                while data := await r.read(_READ):
+                    yield data
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+                ValueError, OSError) as e:
+            self._abort()
+            raise httpx.RemoteProtocolError(
+                f"the worker broke off its answer ({type(e).__name__})") from None
+        self._done = True
+        self._client._give_back(self._reader, self._writer, self._reusable)
+
+    async def aclose(self) -> None:
+        """Done with it; before the end of the body this closes the connection, which the
+        worker sees as a client that left (it stops generating)."""
+        if not self._done:
+            self._done = True
+            self._abort()
+
+    def _abort(self) -> None:
+        self._done = True
+        self._writer.transport.abort()
+
+
+class UDSClient:
+    """A pool of keep-alive HTTP/1.1 connections to one Unix socket."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, path: str, body: bytes,
+                      headers: dict[str, str]) -> UpstreamResponse:
+        """Send one request, return once the response headers are in. Raises
+        ``WorkerUnreachable`` when the request cannot have been received, else
+        ``WorkerFailed``."""
+        head = [f"{method} {path} HTTP/1.1\r\nHost: worker\r\nContent-Length: {len(body)}\r\n"]
+        for k, v in headers.items():
+            if "\r" not in v and "\n" not in v:
+                head.append(f"{k}: {v}\r\n")
+        head.append("\r\n")
+        data = "".join(head).encode("latin-1") + body
+        while self._idle:  # a kept connection; the worker may have closed it meanwhile
+            reader, writer = self._idle.pop()
+            if reader.at_eof() or writer.is_closing():
+                writer.transport.abort()
+                continue
+            try:
+                return await self._exchange(reader, writer, data, method)
+            except _Stale:
+                continue  # closed under us before answering anything: a fresh one
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.path, limit=_MAX_HEAD)
+        except OSError as e:
+            raise WorkerUnreachable(f"cannot connect to {self.path}: {e}") from None
+        try:
+            return await self._exchange(reader, writer, data, method)
+        except _Stale as e:
+            raise WorkerFailed(str(e)) from None
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        data: bytes, method: str) -> UpstreamResponse:
+        try:
+            writer.write(data)
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as e:
+            writer.transport.abort()
+            if not e.partial:
+                raise _Stale("the worker closed the connection without answering") from None
+            raise WorkerFailed("the worker broke off its answer") from None
+        except (ConnectionError, OSError, asyncio.LimitOverrunError) as e:
+            writer.transport.abort()
+            raise WorkerFailed(f"{type(e).__name__}: {e}") from None
+        except BaseException:  # cancelled (a deadline, the client left): drop it
+            writer.transport.abort()
+            raise
+        lines = raw.decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError):
+            writer.transport.abort()
+            raise WorkerFailed(f"not an HTTP answer: {lines[0][:80]!r}") from None
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        head_only = method == "HEAD" or status in (204, 304)
+        return UpstreamResponse(self, reader, writer, status, headers, head_only)
+
+    def _give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   reusable: bool) -> None:
+        if reusable and len(self._idle) < _IDLE_CONNECTIONS and not writer.is_closing():
+            self._idle.append((reader, writer))
+        else:
+            writer.transport.abort()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop()[1].transport.abort()
+
+
+class _Stale(Exception):
+    """A kept-alive connection the worker had closed: nothing was received."""
