@@ -190,18 +190,28 @@ def test_metrics_parse_and_move(secured):
     assert value(after, "mlxfleet_request_duration_seconds_count", model="tiny") >= 3
 
 
-def test_a_client_that_hangs_up_counts_as_499_and_leaves_no_request_in_flight(secured):
-    before = scrape(secured)
-    for _ in range(3):
+def test_a_client_that_hangs_up_counts_as_499_and_stops_its_generation(secured):
+    def cancelled() -> int:
+        st = httpx.get(secured.url + "/v1/status", headers=auth()).json()
+        return st["models"]["tiny"]["cancelled_total"]
+
+    before, was = scrape(secured), cancelled()
+    long = {**CHAT, "max_tokens": 1900, "ignore_eos": True}
+    for _ in range(2):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=0.2,
-                       json={**CHAT, "max_tokens": 1500, "ignore_eos": True})
+                       json=long)
+    with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=auth(),
+                      json={**long, "stream": True}) as r:
+        next(r.iter_lines())  # the stream has started; now hang up
     assert wait_for(lambda: value(scrape(secured), "mlxfleet_inflight_requests") == 0, 20)
     after = scrape(secured)
     req = "mlxfleet_requests_total"
     assert value(after, req, model="tiny", status="499") - \
         value(before, req, model="tiny", status="499") == 3
     assert "client disconnected (499)" in secured.logs()
+    # The worker stopped generating for each (1900 tokens would have taken much longer).
+    assert wait_for(lambda: cancelled() - was == 3, 10), cancelled() - was
 
 
 def test_the_server_default_cache_budget_reaches_the_worker(secured):
