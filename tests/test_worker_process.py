@@ -159,6 +159,27 @@ def test_streaming_detokenizer_never_splits_utf8(text):
     assert not any("\ufffd" in c for c in chunks)
 
 
+def test_bytes_that_are_not_utf8_stream_at_once_instead_of_at_the_end():
+    """A model that emits bytes that never form a character (untrained, or a small model
+    gone astray) must not stall its stream: mlx-lm's detokenizer held them to the end.
+    A character split over two tokens still comes out whole."""
+    from mlx_lm import load
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    from mlxfleet.builtin import ensure_builtin
+    from mlxfleet.worker.decode import SequenceDecoder, special_token_ids
+
+    _, tok = load(str(ensure_builtin("tiny")))
+    char = {b: c for c, b in _byte_decoder().items()}
+    ids = {b: tok.convert_tokens_to_ids(char[b]) for b in (0x80, 0xBF, 0xC3, 0xA9)}
+    dec = SequenceDecoder(tok, [], special_token_ids(tok))
+    feed = [(0x80, "\ufffd"), (0xBF, "\ufffd"), (0x80, "\ufffd"),  # stray continuations
+            (0xC3, ""), (0xA9, "é"),  # é = C3 A9, split over two tokens
+            (0x80, "\ufffd"), (0xC3, ""), (0xC3, "\ufffd"), (0xA9, "é")]
+    got = [dec.feed(ids[b], None) for b, _ in feed]
+    assert got == [want for _, want in feed]
+
+
 def test_fast_blas_gives_the_same_greedy_tokens(start_worker, monkeypatch):
     """OpenBLAS (auto) and MLX's bundled BLAS (off) must agree on greedy output."""
     import sys as _sys

@@ -7,9 +7,11 @@ event loop. mlx_lm's streaming detokenizer and ``TextStateMachine`` do the work.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Optional
 
 from mlx_lm.generate import TextStateMachine
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -46,6 +48,8 @@ class SequenceDecoder:
         eos = finish_reason == "stop"  # the batch stops on EOS tokens only
         if not eos and token not in self._skip:
             self._detok.add_token(token)
+            if self._detok._unflushed and isinstance(self._detok, BPEStreamingDetokenizer):
+                release_undecodable(self._detok)
         if finish_reason is not None:
             self._detok.finalize()
         out = self._filter(self._detok.last_segment)
@@ -70,3 +74,42 @@ class SequenceDecoder:
             found = [(self._raw.find(s, cut), s) for s in self._stops]
             self.stop_sequence = min((f for f in found if f[0] >= 0), default=(0, None))[1]
         return out
+
+
+def release_undecodable(detok: BPEStreamingDetokenizer) -> None:
+    """Show bytes that can never become a character, now.
+
+    mlx-lm's BPE detokenizer holds its text back while the decoded tail is U+FFFD,
+    waiting for the rest of a multi-byte character. A run of bytes that is not UTF-8 at
+    all (small, quantized or untrained models emit them) was held that way to the end of
+    the generation: the stream stalled, then everything came at once. Here only a tail
+    that can still complete a character (at most 3 bytes) stays held; the rest is shown,
+    with U+FFFD for the bad bytes, as mlx-lm's ``finalize`` would show it at the end."""
+    pending = detok._unflushed
+    table = _byte_decoder()
+    raw, sizes = bytearray(), []
+    for c in pending:  # as mlx-lm's _decode_bytes reads them
+        b = table.get(c, False)
+        if b:
+            raw.append(b)
+            sizes.append(1)
+        else:
+            raw.extend(c.encode())
+            sizes.append(len(c.encode()))
+    if not raw.decode("utf-8", "replace").endswith("\ufffd"):
+        return  # not waiting on bytes (a lone space waits for the next token)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = decoder.decode(bytes(raw), final=False)
+    tail = len(decoder.getstate()[0])  # bytes that may still complete a character
+    if not text:
+        return  # only the start of a character so far: wait for the rest
+    keep = held = 0
+    for size in reversed(sizes):
+        if held >= tail:
+            break
+        held += size
+        keep += 1
+    if held != tail:
+        return  # the tail does not end on a token boundary: leave it to mlx-lm
+    detok.text += detok._maybe_trim_space(text)
+    detok._unflushed = pending[len(pending) - keep:] if keep else ""
