@@ -528,12 +528,12 @@ NOTES = """## Notes
   at 1,739 MiB, within its 2,532 MiB estimate. Throughput is another matter: in this run every
   server trails the raw loop (worker direct 0.82-0.92x, gateway 0.83-0.89x, mlx_lm.server
   0.90-0.92x) on a machine running about 2.5x slower than earlier runs the same day, so the
-  ratios are not comparable across runs; the gateway was at 0.91-0.98x of mlx_lm.server. Two runs on
-  the same day after the lone-request changes: the gateway at 1.02x / 1.04x / 1.01x of
-  mlx_lm.server at 1 / 8 / 32 streams (TTFT at 32: 20.2 s against 17.3 s), then, in the run
-  above, 0.95x / 0.91x / 1.06x (TTFT at 32: 19.4 s against 19.5 s): level with mlx_lm.server
-  within the noise. What keeps everything far from the machine's limit is MLX's CPU attention
-  (see "Against the machine's limit").
+  ratios are not comparable across runs; the gateway was at 0.91-0.98x of mlx_lm.server. Runs
+  since then put the gateway at 0.74x to 1.08x of mlx_lm.server at 1 and 8 streams and 0.96x
+  to 1.06x at 32, with TTFT at 32 streams anywhere from 0.8x to 1.6x of mlx_lm.server's: level
+  with it within this machine's noise, never the 1.2x asked for. What keeps everything far
+  from the machine's limit is MLX's CPU attention and prefill (see "Against the machine's
+  limit").
 
 ## Other benchmarks
 

@@ -4,8 +4,9 @@ and each server's leftover BLAS spinning hit all three alike.
 
     .venv/bin/python benchmarks/lone.py [--model builtin:tiny-50m] [--requests 200]
 
-Prints p50 and p90 end-to-end latency for each, and the differences: the gateway's hop
-(gateway - worker) and our total against mlx_lm.server (gateway - mlx_lm.server).
+Prints p50 and p90 end-to-end latency for each, and the differences: gateway - worker (two
+worker processes: the hop alone is benchmarks/hop.py's) and our total against mlx_lm.server
+(gateway - mlx_lm.server).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def main() -> None:
         p50 = {k: 1000 * pct(v, .5) for k, v in times.items()}
         for k, v in times.items():
             print(f"{k:14} p50 {p50[k]:6.2f} ms   p90 {1000 * pct(v, .9):6.2f} ms")
-        print(f"gateway hop (gateway - worker) p50: {p50['gateway'] - p50['worker']:+.2f} ms")
+        print(f"gateway - worker (another process; the hop alone: benchmarks/hop.py) p50: "
+              f"{p50['gateway'] - p50['worker']:+.2f} ms")
         print(f"gateway - mlx_lm.server p50: {p50['gateway'] - p50['mlx_lm.server']:+.2f} ms")
     finally:
         for p in procs:
