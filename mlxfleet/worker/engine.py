@@ -97,6 +97,7 @@ class Engine:
         self.memory_limit: Optional[int] = None  # MLX's limit, set after the load
         self.vision: Any = None  # a vision.VisionModel when the model reads images
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
+        self._joined = False  # the last step moved prompts from prefill to generation
         self._last_arrival = self._previous_arrival = float("-inf")  # submit times
 
     # ---- event-loop side -------------------------------------------------
@@ -572,7 +573,14 @@ class Engine:
     def _step(self) -> None:
         import mlx.core as mx
 
-        _, responses = self._bg.next()
+        if self._joined and not self.config.sharded:
+            prompts, responses = self._generation_only()
+        else:
+            prompts, responses = self._bg.next()
+        # Prompts that finished their prefill in that call: their first tokens come out of
+        # the next call's generation step, which would then also prefill the next group of
+        # prompts (seconds on a CPU) before returning them. Hand them out first.
+        self._joined = any(r.end_of_prompt for r in prompts)
         self.stats.steps += 1
         out, stopped = [], []
         for r in responses:
@@ -611,6 +619,18 @@ class Engine:
         self._count()
         if out:
             self._post(out)
+
+    def _generation_only(self) -> tuple[list, list]:
+        """One step of mlx-lm's ``BatchGenerator`` that starts no new prompt: a decode
+        step for the running sequences (prompts already mid-prefill go on). Measured at 32
+        streams of 274-token prompts: each group of 8 got its first token one whole group
+        prefill later (4-5 s on this CPU) than this."""
+        size = self._bg.prefill_batch_size
+        self._bg.prefill_batch_size = 0
+        try:
+            return self._bg.next()
+        finally:
+            self._bg.prefill_batch_size = size
 
     def _count(self) -> None:
         st = self.stats
