@@ -214,6 +214,22 @@ def test_a_client_that_hangs_up_counts_as_499_and_stops_its_generation(secured):
     assert wait_for(lambda: cancelled() - was == 3, 10), cancelled() - was
 
 
+def test_a_client_that_hangs_up_mid_body_leaves_no_error_in_the_log(secured):
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(secured.url)
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
+                  b"Authorization: Bearer " + auth()["Authorization"][7:].encode() +
+                  b"\r\n\r\n{\"model\": ")
+    time.sleep(0.5)
+    assert httpx.get(secured.url + "/health").status_code == 200
+    assert "Exception in ASGI application" not in secured.logs()
+    assert "Traceback" not in secured.logs()
+
+
 def test_the_server_default_cache_budget_reaches_the_worker(secured):
     s = httpx.get(secured.url + "/v1/status", headers=auth()).json()["models"]["tiny"]
     assert s["prompt_cache"]["budget_bytes"] == 256 << 20

@@ -74,6 +74,8 @@ class ModelRoutes:
             await self._serve(path, raw, headers, sender, out)
         except APIError as err:
             await out.error(err)
+        except _ClientGone:
+            return  # hung up while sending its body: nobody to answer
         except asyncio.CancelledError:
             if watcher is None or not watcher.done() or watcher.cancelled():
                 raise  # the server is stopping
@@ -98,7 +100,7 @@ class ModelRoutes:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        raise asyncio.CancelledError  # nobody to answer
+                        raise _ClientGone
                     parts.append(message.get("body", b""))
                     size += len(parts[-1])
                     if size > self.max_body:
@@ -183,6 +185,10 @@ class ModelRoutes:
         extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
             if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
         await out.send(upstream.status_code, ctype, content, extra)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its request was complete."""
 
 
 class _Reply:
