@@ -175,6 +175,16 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def body_too_large() -> APIError:
+    """A request body over the server's limit (Quart's routes and the model routes)."""
+    return APIError(413, "The request body is too large.", code="request_too_large")
+
+
+def body_too_slow() -> APIError:
+    """A request body that did not arrive within the body timeout."""
+    return APIError(408, "The request body did not arrive in time.", code="request_timeout")
+
+
 def install_error_handlers(app: Quart) -> None:
     """Every error, ours or the framework's, leaves in OpenAI's error shape."""
 
@@ -194,13 +204,11 @@ def install_error_handlers(app: Quart) -> None:
 
     @app.errorhandler(413)
     async def _too_large(_):
-        return error_response(APIError(413, "The request body is too large.",
-                                       code="request_too_large"))
+        return error_response(body_too_large())
 
     @app.errorhandler(408)
     async def _slow_body(_):
-        return error_response(APIError(408, "The request body did not arrive in time.",
-                                       code="request_timeout"))
+        return error_response(body_too_slow())
 
     @app.errorhandler(Exception)
     async def _unexpected(err: Exception):

@@ -24,7 +24,15 @@ import httpx
 
 from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
 from ..units import parse_duration
-from ..wire import APIError, error_body, error_type_for, parse_json_body, stream_error
+from ..wire import (
+    APIError,
+    body_too_large,
+    body_too_slow,
+    error_body,
+    error_type_for,
+    parse_json_body,
+    stream_error,
+)
 from .guard import Guard, request_id
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
@@ -93,7 +101,7 @@ class ModelRoutes:
         """The whole body, at most ``max_body_mb``, within ``body_timeout``."""
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
-            raise APIError(413, "The request body is too large.", code="request_too_large")
+            raise body_too_large()
         parts, size = [], 0
         try:
             async with until(time.monotonic() + self.settings.body_timeout):
@@ -104,13 +112,11 @@ class ModelRoutes:
                     parts.append(message.get("body", b""))
                     size += len(parts[-1])
                     if size > self.max_body:
-                        raise APIError(413, "The request body is too large.",
-                                       code="request_too_large")
+                        raise body_too_large()
                     if not message.get("more_body"):
                         return b"".join(parts)
         except (asyncio.TimeoutError, TimeoutError):
-            raise APIError(408, "The request body did not arrive in time.",
-                           code="request_timeout") from None
+            raise body_too_slow() from None
 
     async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
                      sender: Optional[str], out: _Reply) -> None:
