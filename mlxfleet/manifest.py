@@ -12,6 +12,7 @@ Errors name the file, the document (1-based) and the field, as written in YAML.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -37,6 +38,7 @@ from .worker.config import default as _d
 API_VERSION = "mlxfleet/v1"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MANIFEST_SUFFIXES = (".yaml", ".yml")
+MAX_MANIFEST_BYTES = 1 << 20
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
@@ -44,6 +46,21 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
                               frozen=True)
+
+
+class TextPart(_Spec):
+    type: Literal["text"]
+    text: str = Field(max_length=1 << 20)
+
+
+class WarmMessage(_Spec):
+    """One chat message of a warm prompt (OpenAI's shape, text only)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[Annotated[str, Field(max_length=1 << 20)],
+                   Annotated[list[TextPart], Field(max_length=64)]] = ""
+    name: Optional[str] = Field(default=None, max_length=128)
+    tool_call_id: Optional[str] = Field(default=None, max_length=128)
 
 
 class CacheSpec(_Spec):
@@ -59,7 +76,10 @@ class CacheSpec(_Spec):
                                    "tier for the prompt cache: evicted entries, and all of "
                                    "them when the model unloads, kept under the state dir "
                                    "and read back by the next worker of the same checkpoint")
-    warm_prompts: Union[list[list[dict[str, Any]]], str, None] = Field(
+    warm_prompts: Union[
+        Annotated[list[Annotated[list[WarmMessage], Field(min_length=1, max_length=256)]],
+                  Field(max_length=64)],
+        Annotated[str, Field(min_length=1, max_length=4096)], None] = Field(
         default=None, alias="warmPrompts", description="conversations (lists of chat "
         "messages), or a JSON file of them, prefilled into the prompt cache at load")
 
@@ -252,16 +272,21 @@ class Manifest(_Document):
         return (self.spec.source, self.spec.revision) != (other.spec.source,
                                                           other.spec.revision)
 
+    @functools.cached_property
+    def _hash(self) -> str:
+        s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
+                                          "priority", "placement"})
+        return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
     def worker_hash(self) -> str:
         """Hash of the fields a running worker depends on: a change means a new worker.
 
         Aliases, labels, keepAlive, preload, pinned and placement are the gateway's and
         the scheduler's business and change without a restart (a new placement moves the
-        model, which is a stop here and a start there).
+        model, which is a stop here and a start there). Computed once (where the file is
+        parsed, off the event loop).
         """
-        s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
-                                          "priority", "placement"})
-        return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return self._hash
 
 
 class NodeSpec(_Spec):
@@ -346,18 +371,25 @@ class FileResult:
     nodes: list[NodeManifest] = field(default_factory=list)
 
 
+def _union_member(part: str) -> bool:
+    """pydantic names the member of a union it tried (``list[WarmMessage]``,
+    ``constrained-str``) in an error's location: not a field the user wrote."""
+    return ("[" in part or part.startswith(("function-", "constrained-"))
+            or part in ("str", "int", "float", "bool", "list", "dict"))
+
+
 def _field_path(loc: tuple) -> str:
     out = ""
     for p in loc:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif isinstance(p, str) and not p.startswith(("function-", "union[")):
+        elif isinstance(p, str) and not _union_member(p):
             out += ("." if out else "") + p
     return out
 
 
 def _validation_errors(file: str, doc: int, err: ValidationError) -> list[ManifestError]:
-    out = []
+    out: list[ManifestError] = []
     for e in err.errors():
         path = _field_path(e["loc"])
         msg = e["msg"]
@@ -367,15 +399,111 @@ def _validation_errors(file: str, doc: int, err: ValidationError) -> list[Manife
             msg = "required field is missing"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        out.append(ManifestError(file, msg, doc, path or None))
+        me = ManifestError(file, msg, doc, path or None)
+        if me not in out:
+            out.append(me)
     return out
 
 
-def parse_text(text: str, file: str) -> FileResult:
-    """Parse one file's text (any number of ``---`` documents)."""
-    res = FileResult(file)
+#: The most YAML nodes one file may stand for once its aliases are expanded: a manifest
+#: is a few hundred; a "billion laughs" (anchors of anchors) is billions, and expanding it
+#: would take the server's memory and minutes of CPU.
+MAX_EXPANDED_NODES = 100_000
+
+
+class ManifestTooLarge(ValueError):
+    pass
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for with every alias expanded. Aliases share the
+    node they name, so each node is measured once (memoized by identity): the walk is
+    linear in the file however much it would expand."""
+    done = sizes.get(id(node))
+    if done is not None:
+        return done
+    sizes[id(node)] = MAX_EXPANDED_NODES + 1  # a node that contains itself: never finite
+    n = 1
+    if isinstance(node, yaml.SequenceNode):
+        n += sum(_expanded_size(c, sizes) for c in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n += sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    n = min(n, MAX_EXPANDED_NODES + 1)
+    sizes[id(node)] = n
+    return n
+
+
+def safe_load_documents(text: str) -> list[Any]:
+    """``yaml.safe_load_all`` with a budget: the node graph is composed first (linear in
+    the text) and refused before construction if it would expand past
+    ``MAX_EXPANDED_NODES`` (counting every alias as the nodes it repeats)."""
+    loader = yaml.SafeLoader(text)
+    docs, total = [], 0
     try:
-        docs = list(yaml.safe_load_all(text))
+        while loader.check_node():
+            node = loader.get_node()
+            total += _expanded_size(node, {})
+            if total > MAX_EXPANDED_NODES:
+                raise ManifestTooLarge(
+                    f"the file expands to more than {MAX_EXPANDED_NODES} YAML nodes once "
+                    "its anchors and aliases are expanded; manifests are small")
+            docs.append(loader.construct_document(node))
+    finally:
+        loader.dispose()
+    return docs
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the server accepts beyond the schema: the folder reader, ``apply`` and
+    ``validate`` all parse through ``parse_text`` with these, so they agree."""
+
+    #: larger manifest files are refused unread (a typo'd path to a big file, or a hostile
+    #: one, must not stall the watcher)
+    max_bytes: int = MAX_MANIFEST_BYTES
+    #: spec.env names allowed although they change how a worker loads code
+    allow_env: tuple[str, ...] = ()
+
+    def too_big(self, file: str, size: int) -> Optional[ManifestError]:
+        if size <= self.max_bytes:
+            return None
+        return ManifestError(file, f"the file is {size} bytes; manifests may be at most "
+                             f"{self.max_bytes} bytes (setting max_manifest_bytes)")
+
+
+#: spec.env names that change what code a worker loads: refused unless the server allows them.
+LOADER_ENV = ("LD_*", "DYLD_*", "PYTHON*", "PATH")
+
+
+def env_matches(name: str, patterns) -> bool:
+    """Whether ``name`` is one of ``patterns`` (exact, or a prefix ending in ``*``)."""
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def _refuse_loader_env(r: FileResult, allowed: tuple[str, ...]) -> None:
+    """Make a file's models an error when their spec.env would change how code is loaded
+    (``PYTHONPATH`` + a sitecustomize, ``LD_PRELOAD``: code run as the server's user)."""
+    for lm in r.models:
+        for name in lm.manifest.spec.env:
+            if env_matches(name.upper(), LOADER_ENV) and not env_matches(name, allowed):
+                r.errors.append(ManifestError(
+                    r.file, f"{name} changes how the worker loads code and is refused; the "
+                    "server's allow_worker_env setting can allow it", lm.document,
+                    f"spec.env.{name}"))
+
+
+def parse_text(text: str, file: str, rules: Rules = Rules()) -> FileResult:
+    """Parse and check one file's text (any number of ``---`` documents)."""
+    res = FileResult(file)
+    big = rules.too_big(file, len(text.encode("utf-8", errors="replace")))
+    if big is not None:
+        res.errors.append(big)
+        return res
+    try:
+        docs = safe_load_documents(text)
+    except ManifestTooLarge as e:
+        res.errors.append(ManifestError(file, str(e)))
+        return res
     except RecursionError:
         res.errors.append(ManifestError(file, "invalid YAML: nested too deeply"))
         return res
@@ -398,6 +526,9 @@ def parse_text(text: str, file: str) -> FileResult:
                 res.models.append(LoadedManifest(Manifest.model_validate(doc), file, i))
         except ValidationError as e:
             res.errors.extend(_validation_errors(file, i, e))
+    _refuse_loader_env(res, rules.allow_env)
+    for lm in res.models:
+        lm.manifest.worker_hash()  # computed here, off the event loop, and kept
     return res
 
 
@@ -418,22 +549,15 @@ def manifest_files(paths: list[Path]) -> list[Path]:
     return out
 
 
-#: Manifest files larger than this are refused unread (a typo'd path to a big file, or a
-#: hostile one, must not stall the watcher).
-MAX_MANIFEST_BYTES = 1 << 20
-
-
-def parse_file(path: Path, max_bytes: int = MAX_MANIFEST_BYTES) -> FileResult:
+def parse_file(path: Path, rules: Rules = Rules()) -> FileResult:
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            return FileResult(str(path), errors=[ManifestError(
-                str(path), f"the file is {size} bytes; manifests may be at most {max_bytes} "
-                "bytes (setting max_manifest_bytes)")])
+        big = rules.too_big(str(path), path.stat().st_size)
+        if big is not None:
+            return FileResult(str(path), errors=[big])
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return FileResult(str(path), errors=[ManifestError(str(path), f"cannot read: {e}")])
-    return parse_text(text, str(path))
+    return parse_text(text, str(path), rules)
 
 
 def check_unique(results: list[FileResult], owners: frozenset[str] = frozenset()) -> None:
@@ -489,10 +613,10 @@ def patterns_overlap(a: str, b: str) -> bool:
 
 
 def load_paths(paths: list[Path], owners: frozenset[str] = frozenset(),
-               max_bytes: int = MAX_MANIFEST_BYTES) -> list[FileResult]:
+               rules: Rules = Rules()) -> list[FileResult]:
     """Parse every manifest file under ``paths`` and check cross-file uniqueness
     (``owners``: files whose names are taken first, see ``check_unique``)."""
-    results = [parse_file(p, max_bytes) for p in manifest_files(paths)]
+    results = [parse_file(p, rules) for p in manifest_files(paths)]
     check_unique(results, owners)
     return results
 

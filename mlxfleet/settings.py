@@ -78,6 +78,10 @@ class ServerSettings(BaseSettings):
     api_key: Optional[str] = Field(None, description="required API key(s), comma-separated")
     admin_key: Optional[str] = Field(None, description="key(s) for control-API writes "
                                      "(apply, delete, load, unload); unset: the API keys")
+    allowed_hosts: Optional[str] = Field(
+        None, description="more names the gateway answers to in the Host header, "
+        "comma-separated (its bind address and loopback names always; * for any): other "
+        "names are refused, which defeats DNS rebinding")
     insecure: bool = Field(False, description="allow a non-loopback bind without an API key")
     node: Optional[str] = Field(None, description="fleets: this machine's name, a kind: Node "
                                 "manifest in the folder (unset: a single machine)")
@@ -160,6 +164,10 @@ class ServerSettings(BaseSettings):
     @property
     def api_keys(self) -> list[str]:
         return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
+    @property
+    def host_names(self) -> list[str]:
+        return [h.strip() for h in (self.allowed_hosts or "").split(",") if h.strip()]
 
     @property
     def admin_keys(self) -> list[str]:

@@ -220,7 +220,7 @@ def test_a_client_that_hangs_up_mid_body_leaves_no_error_in_the_log(secured):
 
     u = urlsplit(secured.url)
     with socket.create_connection((u.hostname, u.port)) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                   b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
                   b"Authorization: Bearer " + auth()["Authorization"][7:].encode() +
                   b"\r\n\r\n{\"model\": ")
@@ -346,7 +346,7 @@ def test_a_body_that_never_finishes_gets_a_408(secured):
     import socket
 
     with socket.create_connection(("127.0.0.1", secured.port), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                   b"Authorization: Bearer k1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny\"")
         data = b""

@@ -156,7 +156,8 @@ def register_control(app: Quart, supervisor: Any) -> None:
         text = (await request.get_data()).decode("utf-8", errors="replace")
         name = request.args.get("filename", "<apply>")
         try:
-            applied = await asyncio.to_thread(apply_text, supervisor.manifests_dir, text, name)
+            applied = await asyncio.to_thread(apply_text, supervisor.manifests_dir, text, name,
+                                                  supervisor.rules)
         except ApplyError as e:
             err = APIError(400, str(e), code="invalid_manifest")
             body = err.body()

@@ -28,15 +28,21 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
     from .dashboard import register_dashboard
-    from .guard import Guard, install_guard
+    from .guard import Guard, allowed_hosts, install_guard
 
     settings = supervisor.settings
     app = Quart("mlxfleet.gateway")
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=settings.body_timeout,
                       MAX_CONTENT_LENGTH=settings.max_body_mb << 20)
     install_error_handlers(app)
+    def node_hosts() -> list[str]:  # the names the fleet's nodes reach this one by
+        fleet = supervisor.fleet
+        return [n.host for n in fleet.nodes.values()] if fleet is not None else []
+
     guard = Guard(settings.api_keys, settings.rate_limit, settings.admin_keys,
-                  settings.fleet_key, fleet=bool(settings.node))
+                  settings.fleet_key, fleet=bool(settings.node),
+                  hosts=allowed_hosts(settings.host, settings.host_names),
+                  more_hosts=node_hosts)
     install_guard(app, guard)
     metrics = Metrics(supervisor)
     store = ResponseStore(settings.responses_store_max, settings.responses_store_mb << 20,

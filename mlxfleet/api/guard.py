@@ -6,7 +6,7 @@ import hmac
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Optional
 
 from quart import Quart, g, request
@@ -59,6 +59,53 @@ class RateLimiter:
 
 CONTROL_PREFIX = "/mlxfleet/v1/"
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
+#: Bodies the control API's writes take: none of them is one a page may send cross-origin
+#: without a CORS preflight (which this server never grants).
+_CONTROL_TYPES = ("application/json", "application/yaml", "application/x-yaml", "text/yaml",
+                  "text/x-yaml")
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def allowed_hosts(bind: str, configured: list[str]) -> Optional[frozenset[str]]:
+    """The ``Host`` names the gateway answers to, or None for any. A loopback or
+    specific bind answers to its own address, loopback names and the configured ones
+    (a page on a rebound DNS name never gets an answer); a wildcard bind (which needs
+    an API key) answers to any name unless some are configured."""
+    if "*" in configured:
+        return None
+    names = {h.lower().strip("[]") for h in configured}
+    if bind in ("0.0.0.0", "::", "") and not names:
+        return None
+    return frozenset(names | _LOOPBACK_NAMES | {bind.lower().strip("[]")})
+
+
+def host_name(host: str) -> str:
+    """``Host`` header -> the name without the port (``[::1]:8000`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def cross_origin(headers: Mapping[str, str]) -> Optional[str]:
+    """The origin of a browser request sent from another site's page, else None.
+    Browsers send ``Sec-Fetch-Site`` (modern ones) and ``Origin`` on every POST; tools
+    such as curl and the SDKs send neither."""
+    origin = headers.get("origin")
+    site = (headers.get("sec-fetch-site") or "").lower()
+    if site in ("cross-site", "same-site"):
+        return origin or site
+    if origin is None or site in ("same-origin", "none"):
+        return None
+    if origin == "null":  # sandboxed frames, file:// pages
+        return origin
+    from urllib.parse import urlsplit
+
+    try:
+        netloc = urlsplit(origin).netloc.lower()
+    except ValueError:
+        return origin
+    return None if netloc == (headers.get("host") or "").lower() else origin
 
 
 class Guard:
@@ -70,8 +117,10 @@ class Guard:
 
     def __init__(self, api_keys: list[str], rate_limit: int,
                  admin_keys: Optional[list[str]] = None, fleet_key: Optional[str] = None,
-                 fleet: bool = False):
+                 fleet: bool = False, hosts: Optional[frozenset[str]] = None,
+                 more_hosts: Callable[[], Iterable[str]] = tuple):
         self.api_keys, self.fleet_key, self.fleet = api_keys, fleet_key, fleet
+        self.hosts, self.more_hosts = hosts, more_hosts
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.admin_keys = admin_keys or []
         self.any_key = api_keys + [k for k in self.admin_keys if k not in api_keys]
@@ -80,12 +129,16 @@ class Guard:
               remote_addr: str) -> Optional[str]:
         """Raise the APIError that refuses this request, if any. Returns the forwarding
         node's name when another node of the fleet sent it, else None."""
-        if path in OPEN_ROUTES or path == "/" or path.startswith("/ui/"):
-            return None  # liveness, metrics and the dashboard's static files
-        if self.fleet:
-            sender = self._from_node(headers, remote_addr)
-            if sender is not None:
-                return sender  # another node of the fleet: it admitted the client already
+        if path in OPEN_ROUTES:
+            return None  # liveness and metrics
+        self._check_host(headers)
+        if path == "/" or path.startswith("/ui/"):
+            return None  # the dashboard's static files
+        if method in _WRITES:
+            self._check_origin(headers)
+        sender = self._from_node(headers, remote_addr) if self.fleet else None
+        if sender is not None and self.fleet_key:
+            return sender  # another node, proven by the key: it admitted the client already
         if path == NODE_ROUTE and self.fleet_key:
             raise APIError(401, "This route is for the other nodes of the fleet: send the "
                            "fleet key in X-Mlxfleet-Fleet-Key.", type="authentication_error",
@@ -98,7 +151,10 @@ class Guard:
                            headers={"WWW-Authenticate": 'Bearer realm="mlxfleet"'})
         if path.startswith(CONTROL_PREFIX) and method in _WRITES:
             self._control_write(key, remote_addr)
-            return None
+            self._check_content_type(headers)
+            return sender
+        # Without a fleet key anyone on this machine can claim to be a node: such a
+        # request is still only forwarded once, but it is rate limited like any other.
         if self.limiter and path.startswith("/v1/"):
             client = f"key:{key}" if key and self.api_keys else f"addr:{remote_addr}"
             wait = self.limiter.check(client)
@@ -106,7 +162,39 @@ class Guard:
                 raise APIError(429, f"Rate limit of {self.limiter.per_minute} requests per "
                                "minute exceeded; retry later.", type="rate_limit_error",
                                code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
-        return None
+        return sender
+
+    def _check_host(self, headers: Mapping[str, str]) -> None:
+        """Answer only to this server's own names: a page whose DNS name was rebound to
+        127.0.0.1 is same-origin for the browser, but its Host header gives it away."""
+        if self.hosts is None:
+            return
+        name = host_name(headers.get("host") or "")
+        if name in self.hosts or name in self.more_hosts():
+            return
+        raise APIError(403, f"Host {name!r} is not a name of this server; add it to the "
+                       "allowed_hosts setting (MLXFLEET_ALLOWED_HOSTS) if it is.",
+                       type="permission_error", code="host_not_allowed")
+
+    @staticmethod
+    def _check_origin(headers: Mapping[str, str]) -> None:
+        """Refuse writes sent by another site's page (CSRF: a form or a no-cors fetch
+        needs no preflight); control writes only take content types that need one."""
+        origin = cross_origin(headers)
+        if origin is not None:
+            raise APIError(403, f"Cross-origin request from {origin} refused: pages of other "
+                           "sites may not use this server.", type="permission_error",
+                           code="cross_origin")
+
+    @staticmethod
+    def _check_content_type(headers: Mapping[str, str]) -> None:
+        ctype = (headers.get("content-type") or "").split(";")[0].strip().lower()
+        has_body = headers.get("content-length", "0") not in ("", "0") \
+            or "transfer-encoding" in headers
+        if (has_body or ctype) and ctype not in _CONTROL_TYPES:
+            raise APIError(415, f"Content-Type {ctype or 'none'!r} is not accepted here: send "
+                           "application/json or application/yaml.",
+                           code="unsupported_media_type")
 
     def _from_node(self, headers: Mapping[str, str], remote_addr: str) -> Optional[str]:
         """The sending node when another node sent this request: it says so, and carries

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from quart import Quart, request
 
-from ..supervisor.supervisor import LOADER_ENV, env_matches
+from ..manifest import LOADER_ENV, env_matches
 from ..wire import APIError, parse_json_body
 
 log = logging.getLogger("mlxfleet.mcp")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ..manifest import ManifestError, check_unique, load_paths, parse_text
+from ..manifest import ManifestError, Rules, check_unique, load_paths, parse_text
 
 
 @dataclass
@@ -71,9 +71,11 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Applied]:
-    """Validate ``text`` (one or more Model documents) and write it into ``folder``."""
-    new = parse_text(text, source_name)
+def apply_text(folder: Path, text: str, source_name: str = "<apply>",
+               rules: Rules = Rules()) -> list[Applied]:
+    """Validate ``text`` (one or more Model documents) as the folder reader would, and
+    write it into ``folder``."""
+    new = parse_text(text, source_name, rules)
     if new.errors:
         raise ApplyError(new.errors)
     if new.nodes:
@@ -82,7 +84,7 @@ def apply_text(folder: Path, text: str, source_name: str = "<apply>") -> list[Ap
     if not new.models:
         raise ApplyError([ManifestError(source_name, "no Model documents found")])
     new_spans = _doc_spans(text)
-    current = load_paths([folder])
+    current = load_paths([folder], rules=rules)
     where = {lm.manifest.name: lm for r in current for lm in r.models}
     # The folder as it would be: other files' models plus the applied ones must be unique.
     names = {lm.manifest.name for lm in new.models}

@@ -16,6 +16,7 @@ from ..manifest import (
     LoadedManifest,
     ManifestError,
     NodeManifest,
+    Rules,
     is_pattern,
     load_paths,
 )
@@ -70,6 +71,7 @@ class Supervisor(FleetMembership):
         self._worker_factory = worker_factory or self._worker_process
         self._seq = 0
         self.manifests_dir = Path(settings.manifests_dir).resolve()
+        self.rules = Rules(settings.max_manifest_bytes, tuple(settings.allow_worker_env))
         self.log_dir = Path(settings.state_dir).expanduser().resolve() / "logs"
         self.runtime_dir: Optional[Path] = None  # made by start()
         self.models: dict[str, ModelRuntime] = {}
@@ -234,9 +236,8 @@ class Supervisor(FleetMembership):
                 return
             owners = frozenset(rt.file for rt in self.models.values() if not rt.removed)
             results = await asyncio.to_thread(load_paths, [self.manifests_dir], owners,
-                                              self.settings.max_manifest_bytes)
+                                              self.rules)
             for r in results:
-                refuse_loader_env(r, self.settings.allow_worker_env)
                 for e in r.errors:
                     log.error("manifest error: %s", e)
             desired = self._desired(results, owners)
@@ -373,39 +374,34 @@ class Supervisor(FleetMembership):
         def relevant(_change, path: str) -> bool:
             return Path(path).suffix in (".yaml", ".yml")
 
+        def identity() -> Optional[tuple[int, int]]:
+            try:
+                st = self.manifests_dir.stat()
+            except OSError:
+                return None
+            return st.st_dev, st.st_ino
+
         while True:  # the watcher never dies: any failure is logged and watching resumes
-            if not self.manifests_dir.is_dir():
+            watched = identity()
+            if watched is None:
                 await asyncio.sleep(1)  # removed: wait for it (models keep running)
                 continue
             try:
-                async for _ in awatch(self.manifests_dir, watch_filter=relevant,
-                                      debounce=self.settings.reload_debounce_ms,
-                                      recursive=False):
-                    await self.reload()
+                # A removed folder stops sending events without ending the watch, so
+                # wake once a second and re-arm on the folder that is there now.
+                async for changes in awatch(self.manifests_dir, watch_filter=relevant,
+                                            debounce=self.settings.reload_debounce_ms,
+                                            recursive=False, rust_timeout=1000,
+                                            yield_on_timeout=True):
+                    if identity() != watched:
+                        log.warning("manifests folder %s was removed or replaced; watching "
+                                    "it again", self.manifests_dir)
+                        break
+                    if changes:
+                        await self.reload()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - e.g. the folder was removed; keep trying
                 log.exception("watching %s failed; retrying", self.manifests_dir)
                 await asyncio.sleep(1)
             await self.reload()  # catch up with what changed while not watching
-
-
-#: spec.env names that change what code a worker loads: refused unless the server allows them.
-LOADER_ENV = ("LD_*", "DYLD_*", "PYTHON*", "PATH")
-
-
-def env_matches(name: str, patterns) -> bool:
-    """Whether ``name`` is one of ``patterns`` (exact, or a prefix ending in ``*``)."""
-    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
-
-
-def refuse_loader_env(r: FileResult, allowed: list[str]) -> None:
-    """Make a file's models an error when their spec.env would change how code is loaded
-    (``PYTHONPATH`` + a sitecustomize, ``LD_PRELOAD``: code run as the server's user)."""
-    for lm in r.models:
-        for name in lm.manifest.spec.env:
-            if env_matches(name.upper(), LOADER_ENV) and not env_matches(name, allowed):
-                r.errors.append(ManifestError(
-                    r.file, f"{name} changes how the worker loads code and is refused; the "
-                    "server's allow_worker_env setting can allow it", lm.document,
-                    f"spec.env.{name}"))

@@ -67,8 +67,11 @@ def worker_config(m: Manifest, server: Any = None,
 def warm_prompts(value: Any, server: Any = None) -> Optional[list]:
     """``cache.warmPrompts``: the conversations, or those in a JSON file (a path relative
     to the manifests folder)."""
-    if value is None or isinstance(value, list):
-        return value
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [[m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+                 for m in conv] for conv in value]
     path = Path(value).expanduser()
     if not path.is_absolute() and server is not None:
         path = Path(server.manifests_dir) / path
