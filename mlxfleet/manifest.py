@@ -204,6 +204,10 @@ class ModelSpec(_Spec):
     keep_alive: Optional[Duration] = None
     preload: bool = Field(default=False, description="load at start and on apply; "
                           "otherwise on the first request")
+    client_keep_alive: bool = Field(
+        default=False, description="with API keys configured, let client keys shorten the "
+        "keep-alive or unload the model with a request's keep_alive (otherwise only admin "
+        "keys may; client keys can only extend it)")
     pinned: bool = Field(default=False, description="never evicted to make room")
     priority: int = Field(default=0, description="higher stays loaded longer under "
                           "memory pressure")
@@ -275,16 +279,16 @@ class Manifest(_Document):
     @functools.cached_property
     def _hash(self) -> str:
         s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
-                                          "priority", "placement"})
+                                          "priority", "placement", "client_keep_alive"})
         return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def worker_hash(self) -> str:
         """Hash of the fields a running worker depends on: a change means a new worker.
 
-        Aliases, labels, keepAlive, preload, pinned and placement are the gateway's and
-        the scheduler's business and change without a restart (a new placement moves the
-        model, which is a stop here and a start there). Computed once (where the file is
-        parsed, off the event loop).
+        Aliases, labels, keepAlive, clientKeepAlive, preload, pinned and placement are the
+        gateway's and the scheduler's business and change without a restart (a new
+        placement moves the model, which is a stop here and a start there). Computed once
+        (where the file is parsed, off the event loop).
         """
         return self._hash
 

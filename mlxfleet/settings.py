@@ -106,6 +106,8 @@ class ServerSettings(BaseSettings):
                                    "image URLs from requests (an SSRF risk: off by default)")
     max_image_mb: int = Field(20, gt=0, description="largest image in a request")
     max_image_pixels: int = Field(50_000_000, gt=0, description="largest image, in pixels")
+    max_request_pixels: int = Field(64_000_000, gt=0, description="all the images of one "
+                                    "request together, in pixels")
     max_images: int = Field(16, ge=1, description="images in one request")
     enable_metrics: bool = Field(False, description="serve Prometheus /metrics (no auth)")
     log_json: bool = Field(False, description="JSON log lines")

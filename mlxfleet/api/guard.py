@@ -164,6 +164,14 @@ class Guard:
                                code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
         return sender
 
+    def may_unload(self, headers: Mapping[str, str], sender: Optional[str]) -> bool:
+        """Whether this request may shorten a model's keep-alive or unload it: anyone
+        when no key is configured (Ollama's semantics), else admin keys only (a node
+        that forwards a request has applied this rule already)."""
+        if not self.api_keys or (sender is not None and self.fleet_key):
+            return True
+        return key_ok(presented_key(headers), self.admin_keys)
+
     def _check_host(self, headers: Mapping[str, str]) -> None:
         """Answer only to this server's own names: a page whose DNS name was rebound to
         127.0.0.1 is same-origin for the browser, but its Host header gives it away."""

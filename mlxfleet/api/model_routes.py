@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional
@@ -36,7 +37,7 @@ from ..wire import (
 from .guard import Guard, request_id
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
-from .ollama import load_or_unload
+from .ollama import load_or_unload, ollama_unload
 from .responses import ResponseStore
 
 log = logging.getLogger("mlxfleet.gateway")
@@ -133,6 +134,20 @@ class ModelRoutes:
         remote = rt is not None and rt.remote  # another node runs it (and loads it)
         if remote and sender:
             raise _moved(rt, sup.node_name)
+        if keep_alive is not None and rt is not None \
+                and not rt.manifest.spec.client_keep_alive \
+                and not self.guard.may_unload(headers, sender):
+            floor = rt.manifest.spec.keep_alive
+            floor = settings.keep_alive_seconds if floor is None else floor
+            if keep_alive == 0 and ollama_unload(path, body):
+                raise APIError(403, "Unloading a model needs the admin key "
+                               "(MLXFLEET_ADMIN_KEY) unless its manifest sets "
+                               "clientKeepAlive: true.", type="permission_error",
+                               code="admin_key_required")
+            if keep_alive < floor:  # a client key extends the keep-alive, never shortens it
+                keep_alive = floor
+                body["keep_alive"] = -1 if math.isinf(floor) else floor
+                raw = json.dumps(body).encode()
         timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
         deadline = time.monotonic() + timeout
         ollama = path.startswith("/api/")

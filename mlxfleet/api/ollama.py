@@ -160,16 +160,23 @@ def _chat_template(rt: Any) -> Optional[str]:
     return None
 
 
+def ollama_unload(path: str, body: dict[str, Any]) -> bool:
+    """Whether this is Ollama's empty request (nothing to generate): a load, or an
+    unload with ``keep_alive: 0``."""
+    if path == "/api/chat":
+        return not body.get("messages")
+    if path == "/api/generate":
+        return not (body.get("prompt") or body.get("images"))
+    return False
+
+
 async def load_or_unload(supervisor: Any, path: str, body: dict[str, Any], model: str,
                          keep_alive: Optional[float], deadline: float) -> Optional[dict]:
     """Ollama's idiom: a chat with no messages, or a generate with no prompt, loads the
-    model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload").
-    None when the request has something to generate."""
-    if path not in ("/api/chat", "/api/generate"):
-        return None
-    if path == "/api/chat" and body.get("messages"):
-        return None
-    if path == "/api/generate" and (body.get("prompt") or body.get("images")):
+    model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload"; with
+    API keys only for admin keys, which the gateway checked). None when the request has
+    something to generate."""
+    if not ollama_unload(path, body):
         return None
     key = "message" if path == "/api/chat" else "response"
     empty = {"role": "assistant", "content": ""} if key == "message" else ""

@@ -52,6 +52,7 @@ def worker_config(m: Manifest, server: Any = None,
         "max_image_bytes": (server.max_image_mb << 20) if server is not None else None,
         "max_image_pixels": getattr(server, "max_image_pixels", None),
         "max_images": getattr(server, "max_images", None),
+        "max_request_pixels": getattr(server, "max_request_pixels", None),
     }
     if s.cache.disk_mb and server is not None:
         fields["disk_cache_bytes"] = s.cache.disk_mb << 20

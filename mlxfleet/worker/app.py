@@ -30,7 +30,7 @@ from ..wire import (
 )
 from .engine import Engine
 from .images import load as load_images
-from .images import vision_prompt
+from .images import trim_heap, vision_prompt
 from .pipeline import Pipeline
 from .prompts import (
     GenRequest,
@@ -139,6 +139,12 @@ def _text_bytes(content: Any) -> int:
     return 0
 
 
+def _constrained(req: GenRequest) -> bool:
+    """Whether the output follows a grammar (compiled in ``_prepare``)."""
+    return req.response_schema is not None or bool(req.tools) and (
+        req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+
+
 def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):
     """Prompt tokens, output plan (parsers, grammar), sampling parameters and, with
     images, the ``VisionPrompt``; no MLX on this side."""
@@ -172,6 +178,7 @@ class Worker:
         self.inflight = 0  # sequences admitted and not finished (n x prompts per request)
         self.calls: dict[str, Pipeline] = {}
         self._info: Optional[ModelInfo] = None
+        self._image_lock = asyncio.Lock()
 
     def model_info(self) -> ModelInfo:
         e = self.engine
@@ -238,14 +245,12 @@ class Worker:
         info = self.model_info()
         text_bytes = self._check_size(info, req)
         if req.images:
-            images = await self._images(info, req)
-            # The processor resizes the images and tokenizes: milliseconds, off the loop.
-            prompts, plan, params, vision = await asyncio.to_thread(_prepare, info, req,
-                                                                    images)
-        elif text_bytes > INLINE_PREPARE_BYTES:
-            # Templating and tokenizing a long text takes a while: off the event loop, so
-            # the neighbours' streams keep flowing. (Short ones stay inline: a thread hop
-            # costs more than they do.)
+            prompts, plan, params, vision = await self._prepare_images(info, req)
+        elif text_bytes > INLINE_PREPARE_BYTES or _constrained(req):
+            # Templating and tokenizing a long text, or compiling a grammar, takes a
+            # while: off the event loop, so the neighbours' streams keep flowing and
+            # health checks are answered. (Short ones stay inline: a thread hop costs
+            # more than they do.)
             prompts, plan, params, vision = await asyncio.to_thread(_prepare, info, req)
         else:
             prompts, plan, params, vision = _prepare(info, req)
@@ -259,16 +264,29 @@ class Worker:
         info = self.model_info()
         if not req.images:
             return len(chat_prompt(info, req))
-        images = await self._images(info, req)
-        prompts, *_ = await asyncio.to_thread(_prepare, info, req, images)
+        prompts, *_ = await self._prepare_images(info, req)
         return len(prompts[0])
 
-    async def _images(self, info: ModelInfo, req: GenRequest) -> list:
+    async def _prepare_images(self, info: ModelInfo, req: GenRequest):
+        """``_prepare`` for a request with images: fetched, checked against the pixel
+        budgets, decoded and run through the processor off the event loop. One request's
+        images at a time, so decoded pixels in memory stay within one request's budget;
+        the heap is trimmed after (the decoded images are large and short-lived)."""
         if info.vision is None:
             raise APIError(400, f"Model '{self.name}' does not accept images: it is not a "
                            "vision model.", param=req.images[0].param,
                            code="unsupported_content")
-        return await load_images(req.images, self.config)
+        async with self._image_lock:
+            images = await load_images(req.images, self.config)
+
+            def work():
+                try:
+                    return _prepare(info, req, images)
+                finally:
+                    images.clear()
+                    trim_heap()
+
+            return await asyncio.to_thread(work)
 
     def _check_size(self, info: ModelInfo, req: GenRequest) -> int:
         """Cheap refusals before any tokenizing: more sequences than the batch holds, or a

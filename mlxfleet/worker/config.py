@@ -74,6 +74,9 @@ class WorkerConfig(BaseModel):
     max_image_bytes: int = Field(20 << 20, gt=0, description="largest image, encoded")
     max_image_pixels: int = Field(50_000_000, gt=0, description="largest image, width x "
                                   "height, checked before it is decoded")
+    max_request_pixels: int = Field(64_000_000, gt=0, description="all the images of one "
+                                    "request together, in pixels (decoded as RGB: 3 bytes "
+                                    "each), checked before any is decoded")
     max_images: int = Field(16, ge=1, description="images in one request")
     image_fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch an image URL")
     dist_hosts: list[str] = Field(default_factory=list, description="a sharded model: every "

@@ -63,6 +63,12 @@ class _Seq:
         return reason
 
 
+    def grammar_error(self) -> Optional[str]:
+        """Why the grammar engine gave up on this sequence (a resource limit hit past
+        the request's checks), if it did."""
+        return next((p.error for p in self.processors if getattr(p, "error", None)), None)
+
+
 #: Batch steps failing this many times in a row take the engine down (restart).
 STEP_FAILURES_FATAL = 3
 
@@ -598,7 +604,10 @@ class Engine:
                     top = mx.argpartition(-lp, kth=k - 1)[:k]
                     ev.top_logprobs = sorted(zip(top.tolist(), lp[top].tolist()),
                                              key=lambda t: -t[1])
-            out.append((gen, ev))
+            failed = r.finish_reason is not None and seq.grammar_error()
+            out.append((gen, EngineError(
+                f"Structured output failed: the grammar engine stopped ({failed}); the "
+                "answer would not match the schema.", 500) if failed else ev))
             gen.generated += 1
             if gen.first_token_at is None:
                 gen.phase, gen.first_token_at = "generation", time.monotonic()

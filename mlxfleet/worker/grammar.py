@@ -2,9 +2,11 @@
 
 llguidance's own ``llguidance.mlx`` helper needs Metal, so we apply its token
 bitmask ourselves with numpy + ``mx.where``; that works on CPU and Metal alike.
-Everything here that touches MLX runs on the engine thread; compiling a
-grammar (a pure-CPU step) is done when the request is validated, so a bad
-schema is a 400 before anything is queued.
+Everything here that touches MLX runs on the engine thread. A grammar is compiled
+once, when the request is validated, in a thread of its own (llguidance releases the
+GIL) and within llguidance's resource limits, then tried along the path the closer
+would take: a schema the engine cannot hold is a 400 before anything is queued, and
+each sequence's processor starts from a copy of the compiled matcher.
 """
 
 from __future__ import annotations
@@ -33,6 +35,113 @@ class GrammarError(ValueError):
     pass
 
 
+#: The largest JSON schema taken, serialized (a forced tool call over a coding agent's
+#: tools is tens of kilobytes); larger ones are a 400 before anything is compiled.
+MAX_SCHEMA_BYTES = 512 * 1024
+
+
+def _limits():
+    import llguidance
+
+    # llguidance's defaults, but errors that do not echo the grammar back to the client
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def check_schema(schema: Any) -> None:
+    """Refusals that need no compiling: too large, or no finite value satisfies it."""
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are "
+                           "accepted")
+    if not _has_finite_value(schema):
+        raise GrammarError("no finite JSON value satisfies this schema (a required "
+                           "property or item refers back to itself with no way out), so "
+                           "an answer could never be complete")
+
+
+def _has_finite_value(root: dict[str, Any]) -> bool:
+    """Whether some finite JSON value can satisfy ``root``, as a least fixpoint over its
+    ``$ref``s: each reference starts out 'no finite value' and becomes 'yes' once one of
+    its ways out is found (a recursive required property never does). Keywords that only
+    narrow values of a kind (patterns, bounds) are not judged: the grammar engine is."""
+    refs: set[str] = set()
+
+    def collect(s: Any) -> None:
+        if isinstance(s, dict):
+            if isinstance(s.get("$ref"), str):
+                refs.add(s["$ref"])
+            for v in s.values():
+                collect(v)
+        elif isinstance(s, list):
+            for v in s:
+                collect(v)
+
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return True  # an outside reference: llguidance will say what it makes of it
+        node: Any = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True  # a bad pointer is the compiler's error to report
+        return node
+
+    collect(root)
+    known = dict.fromkeys(refs, False)
+
+    def finite(s: Any) -> bool:
+        if s is False:
+            return False
+        if not isinstance(s, dict):
+            return True
+        if isinstance(s.get("$ref"), str) and not known.get(s["$ref"], True):
+            return False
+        if isinstance(s.get("allOf"), list) and not all(finite(x) for x in s["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(s.get(key), list) and s[key] and not any(finite(x) for x in s[key]):
+                return False
+        if "const" in s or "enum" in s:
+            return True
+        kinds = s.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) \
+            else None
+        if kinds is not None and any(k not in ("object", "array") for k in kinds):
+            return True  # a scalar is always a way out
+        if (kinds is None or "object" in kinds) and isinstance(s.get("required"), list):
+            props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+            extra = s.get("additionalProperties", True)
+            if not all(finite(props.get(p, extra)) for p in s["required"]
+                       if isinstance(p, str)):
+                return kinds is not None and "array" in kinds and _array_ok(s)
+        if kinds is not None and "array" in kinds and "object" not in kinds:
+            return _array_ok(s)
+        return True
+
+    def _array_ok(s: dict[str, Any]) -> bool:
+        need = s.get("minItems", 0)
+        if not isinstance(need, int) or need <= 0:
+            return True
+        prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
+        if not all(finite(x) for x in prefix[:need]):
+            return False
+        return need <= len(prefix) or finite(s.get("items", True))
+
+    changed = True
+    while changed:
+        changed = False
+        for ref in refs:
+            if not known[ref] and finite(resolve(ref)):
+                known[ref] = changed = True
+    return finite(root)
+
+
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
@@ -43,28 +152,96 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def tool_call_schema(tools: list[dict[str, Any]], name: Optional[str] = None) -> dict[str, Any]:
-    """A JSON schema for ``{"name": ..., "arguments": {...}}`` over the declared tools."""
-    options = []
-    for t in tools:
+    """A JSON schema for ``{"name": ..., "arguments": {...}}`` over the declared tools.
+
+    Each tool's parameters move to ``$defs/tool{i}`` of the new root, and their own
+    references (``#``, ``#/$defs/node``: written against the parameters as root) are
+    rewritten to point there, so recursive tool schemas keep working."""
+    options, defs = [], {}
+    for i, t in enumerate(tools):
         fn = t.get("function", t)
         if name is not None and fn.get("name") != name:
             continue
         params = fn.get("parameters") or {"type": "object"}
+        if _has_refs(params):
+            defs[f"tool{i}"] = _rebase(params, f"#/$defs/tool{i}")
+            params = {"$ref": f"#/$defs/tool{i}"}
         options.append({"type": "object", "properties": {
             "name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False})
     if not options:
         raise GrammarError(f"tool_choice names '{name}', which is not among the declared tools")
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
 
 
-def check_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> None:
-    """Raise GrammarError if llguidance cannot compile ``grammar``."""
+def _has_refs(s: Any) -> bool:
+    if isinstance(s, dict):
+        return isinstance(s.get("$ref"), str) or any(_has_refs(v) for v in s.values())
+    return isinstance(s, list) and any(_has_refs(v) for v in s)
+
+
+def _rebase(s: Any, base: str) -> Any:
+    """``s`` with every local ``$ref`` (``#...``) prefixed by ``base``."""
+    if isinstance(s, dict):
+        out = {k: _rebase(v, base) for k, v in s.items()}
+        ref = s.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(s, list):
+        return [_rebase(v, base) for v in s]
+    return s
+
+
+class Grammar:
+    """A compiled grammar: its text, which is what travels to a sharded model's other
+    ranks (pickled; they compile it again), and llguidance's matcher."""
+
+    def __init__(self, text: str, matcher: Any = None):
+        self.text, self.matcher = text, matcher
+
+    def __getstate__(self) -> dict:
+        return {"text": self.text}
+
+    def __setstate__(self, state: dict) -> None:
+        self.text, self.matcher = state["text"], None
+
+    def start(self, tokenizer: Any, vocab_size: int) -> Any:
+        """A fresh matcher for one sequence."""
+        if self.matcher is None:
+            import llguidance
+
+            self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size),
+                                                self.text, log_level=0, limits=_limits())
+        return self.matcher.deep_copy()
+
+
+def schema_grammar(schema: Any, tokenizer: Any, vocab_size: int) -> Grammar:
+    """A JSON schema -> its compiled ``Grammar``, or GrammarError saying why not."""
+    check_schema(schema)
+    text = json_schema_grammar(schema)
+    return Grammar(text, compile_grammar(text, tokenizer, vocab_size))
+
+
+def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> Any:
+    """The compiled matcher, or GrammarError if llguidance cannot compile ``grammar``
+    within its limits, or fails along the way the closer would complete a value (a
+    regex whose lexer only blows up once a string opens, say). Not on the engine
+    thread, and not on the event loop: it can take a second."""
     import llguidance
 
-    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
+    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
+                             limits=_limits())
     if m.is_error():
         raise GrammarError(m.get_error())
+    trial = m.deep_copy()
+    vocab = _Vocab.of(tokenizer, vocab_size)
+    _closing_tokens(trial, vocab, START, vocab_size, set(tokenizer.eos_token_ids),
+                    CLOSE_HORIZON)
+    if trial.is_error():
+        raise GrammarError(trial.get_error())
+    return m
 
 
 #: Bytes that can change JSON structure (open or close a string, object or array).
@@ -215,11 +392,9 @@ class GrammarProcessor:
     fed back); the first call sees only the prompt.
     """
 
-    def __init__(self, grammar: str, tokenizer: Any, vocab_size: int,
+    def __init__(self, grammar: Grammar, tokenizer: Any, vocab_size: int,
                  max_tokens: Optional[int] = None):
-        import llguidance
-
-        self._m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
+        self._m = grammar.start(tokenizer, vocab_size)  # compiled once, off this thread
         self._eos = sorted(tokenizer.eos_token_ids)
         self._base: Optional[int] = None
         self._consumed = 0
@@ -228,6 +403,7 @@ class GrammarProcessor:
         self._scan = START
         self._plan: Optional[list[int]] = None  # closing mode: the tokens left to emit
         self.forced_close = False  # the budget, not the model, ended the value
+        self.error: Optional[str] = None  # the grammar engine failed mid-way
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -247,6 +423,8 @@ class GrammarProcessor:
         bits = self._allowed(self._m, vocab)
         if self._vocab is not None and bits.any():
             bits = self._budget(bits, vocab)
+        if self._m.is_error() and self.error is None:
+            self.error = self._m.get_error()
         if not bits.any():  # grammar finished or failed: allow only end-of-sequence
             bits[[t for t in self._eos if t < vocab]] = True
         out = mx.where(mx.array(bits)[None, :], logits, -float("inf"))
@@ -268,8 +446,10 @@ class GrammarProcessor:
         import numpy as np
 
         left = self._max_tokens - self._consumed
-        if self._plan is None and left <= CLOSE_HORIZON and not self._m.is_accepting():
-            plan = self._close_plan(vocab, self._m, self._scan)
+        # Each open container costs a token or two to close: plan earlier when deep.
+        horizon = CLOSE_HORIZON + 2 * len(self._scan[0])
+        if self._plan is None and left <= horizon and not self._m.is_accepting():
+            plan = self._close_plan(vocab, self._m, self._scan, horizon)
             if len(plan) + 2 >= left:  # (a spare token, should the plan grow by one)
                 self._plan = plan
                 self.forced_close = True
@@ -281,7 +461,7 @@ class GrammarProcessor:
                         continue
                     m = self._m.deep_copy()
                     m.consume_token(t)
-                    after = self._close_plan(vocab, m, scan(self._scan, texts[t]))
+                    after = self._close_plan(vocab, m, scan(self._scan, texts[t]), horizon)
                     if len(after) + 2 >= left - 1 and bits.sum() > 1:
                         bits[t] = False
         if self._plan:
@@ -290,31 +470,37 @@ class GrammarProcessor:
             bits[t] = True
         return bits
 
-    def _close_plan(self, vocab: int, matcher: Any, state: Scan) -> list[int]:
+    def _close_plan(self, vocab: int, matcher: Any, state: Scan, horizon: int) -> list[int]:
         """The tokens of a greedy short completion from ``matcher`` (left untouched) in
-        ``state``: at most CLOSE_HORIZON of them."""
-        import numpy as np
+        ``state``: at most ``horizon`` of them."""
+        return _closing_tokens(matcher.deep_copy(), self._vocab, state, vocab,
+                               set(self._eos), horizon)
 
-        m, plan = matcher.deep_copy(), []
-        closers = self._vocab.closers
-        eos = set(self._eos)
-        while len(plan) < CLOSE_HORIZON and not m.is_accepting():
-            bits = self._allowed(m, vocab)
-            allowed = np.nonzero(bits)[0]
-            if allowed.size == 0:
-                break
-            if allowed.size > 32:
-                usable = closers[closers < vocab]
-                cand = usable[bits[usable]]
-                if cand.size == 0:
-                    cand = allowed[:64]
-            else:
-                cand = allowed
-            cand = [int(t) for t in cand if int(t) not in eos]
-            if not cand:
-                break
-            best = _pick(state, cand, self._vocab)
-            m.consume_token(best)
-            state = scan(state, self._vocab.texts[best])
-            plan.append(best)
-        return plan
+
+def _closing_tokens(m: Any, vocab: _Vocab, state: Scan, size: int, eos: set[int],
+                    horizon: int) -> list[int]:
+    """Feed ``m`` a greedy short completion (at most ``horizon`` tokens); return it."""
+    import numpy as np
+
+    plan: list[int] = []
+    closers = vocab.closers
+    while len(plan) < horizon and not m.is_accepting():
+        bits = GrammarProcessor._allowed(m, size)
+        allowed = np.nonzero(bits)[0]
+        if allowed.size == 0:
+            break
+        if allowed.size > 32:
+            usable = closers[closers < size]
+            cand = usable[bits[usable]]
+            if cand.size == 0:
+                cand = allowed[:64]
+        else:
+            cand = allowed
+        cand = [int(t) for t in cand if int(t) not in eos]
+        if not cand:
+            break
+        best = _pick(state, cand, vocab)
+        m.consume_token(best)
+        state = scan(state, vocab.texts[best])
+        plan.append(best)
+    return plan

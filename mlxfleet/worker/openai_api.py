@@ -78,10 +78,12 @@ def _response_schema(rf: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         return {"type": "object"}
     if kind == "json_schema":
         js = rf.get("json_schema") or {}
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise APIError(400, "response_format.json_schema must be an object with a "
-                           "'schema'.", param="response_format", code="invalid_value")
-        return js.get("schema") or {"type": "object"}
+                           "'schema' object (the JSON Schema the answer must follow).",
+                           param="response_format.json_schema.schema",
+                           code="invalid_value")
+        return js["schema"] or {"type": "object"}
     raise APIError(400, f"Unknown response_format type '{kind}'; use text, json_object "
                    "or json_schema.", param="response_format", code="invalid_value")
 

@@ -114,6 +114,9 @@ class Pipeline:
             for ev in batch:
                 if isinstance(ev, EngineError) and ev.status == 400:
                     raise APIError(400, ev.message, code="invalid_input")
+                if isinstance(ev, EngineError) and ev.status == 500:
+                    raise APIError(500, ev.message, type="server_error",
+                                   code="structured_output_failed")
                 if isinstance(ev, EngineError):
                     raise APIError(503, f"Generation failed: {ev.message}",
                                    type="server_error", code="engine_error",

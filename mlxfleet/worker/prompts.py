@@ -10,12 +10,15 @@ import functools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..wire import APIError
 from .config import WorkerConfig
 from .images import ImageRef
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 
 @dataclass
@@ -106,7 +109,7 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
 class OutputPlan:
     """How a chat request's output is constrained and split (tools, reasoning, JSON)."""
 
-    grammar: Optional[str] = None
+    grammar: Optional[Grammar] = None
     tool_format: Any = None  # a parsers.ToolFormat when tool calls are parsed
     think: Optional[tuple[str, str]] = None
     starts_in_reasoning: bool = False
@@ -122,7 +125,7 @@ class OutputPlan:
 
 def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPlan:
     """Grammar and parsers for a chat request; 400 for what cannot be honoured."""
-    from .grammar import GrammarError, check_grammar, json_schema_grammar, tool_call_schema
+    from .grammar import GrammarError, schema_grammar, tool_call_schema
     from .parsers import think_markers, tool_format
 
     plan = OutputPlan()
@@ -149,8 +152,7 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
     schema = schema or req.response_schema
     if schema is not None:
         try:
-            plan.grammar = json_schema_grammar(schema)
-            check_grammar(plan.grammar, tok, info.vocab_size)
+            plan.grammar = schema_grammar(schema, tok, info.vocab_size)
         except (GrammarError, ValueError, TypeError) as e:
             raise APIError(400, f"The JSON schema cannot be enforced: {e}",
                            param="response_format" if not plan.forced_tool else "tools",

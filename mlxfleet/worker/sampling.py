@@ -7,7 +7,10 @@ parameters are plain values made on the event loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 
 @dataclass
@@ -26,7 +29,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     logprobs: Optional[int] = None  # None: off; k: the sampled token plus top k
     ignore_eos: bool = False
-    grammar: Optional[str] = None  # llguidance grammar the output must follow
+    grammar: Optional[Grammar] = None  # the compiled grammar the output must follow
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the engine thread
     skip_special_tokens: bool = True  # hide special tokens from the text (vLLM's default)
 
