@@ -53,7 +53,8 @@ async def serve(settings: ServerSettings) -> None:
     # uvicorn with httptools: the cheapest server for the hop every request takes
     # (benchmarks/hop.py; Hypercorn's h11 parsing cost ~0.6 ms more per request here).
     server = _Server(uvicorn.Config(
-        app, host=settings.host, port=settings.port, http="httptools", lifespan="on",
+        app, host=settings.host, port=settings.port, http=_head_timeout(settings.header_timeout),
+        lifespan="on",
         timeout_graceful_shutdown=settings.drain_timeout, timeout_keep_alive=75,
         access_log=False, log_config=None, server_header=False, ws="none",
         proxy_headers=False))  # the peer address is the client's, as before
@@ -61,6 +62,51 @@ async def serve(settings: ServerSettings) -> None:
     watch = asyncio.create_task(stop.wait())
     watch.add_done_callback(lambda _: setattr(server, "should_exit", True))
     await server.serve()
+
+
+def _head_timeout(seconds: float) -> type:
+    """uvicorn's httptools protocol, with a deadline for each request's head: uvicorn
+    times out idle kept-alive connections, but a client that sends its request line and
+    headers slowly (or never) held a connection forever (slowloris). Past the deadline
+    it gets a 408 and the connection closes, as nginx's ``client_header_timeout`` does."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeadTimeoutProtocol(HttpToolsProtocol):
+        _head_timer = None
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(seconds, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _too_slow(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
+                                     b"connection: close\r\n\r\n")
+                self.transport.close()
+
+        def connection_made(self, transport):  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:  # the next request on a kept connection
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadTimeoutProtocol
 
 
 class _Server(uvicorn.Server):

@@ -100,6 +100,9 @@ class ServerSettings(BaseSettings):
     responses_store_mb: int = Field(64, ge=0, description="memory stored responses may use")
     responses_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is "
                                  "kept")
+    header_timeout: float = Field(30.0, gt=0, description="seconds a request's line and "
+                                  "headers may take to arrive (408 and the connection "
+                                  "closed after)")
     body_timeout: float = Field(60.0, gt=0, description="seconds a request body may take to "
                                 "arrive (408 after)")
     allow_image_urls: bool = Field(False, description="let vision models fetch http(s) "

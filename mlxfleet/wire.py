@@ -73,11 +73,14 @@ def from_validation_error(err: ValidationError) -> APIError:
 
 
 #: Request fields the gateway acts on; workers accept and ignore them.
-GATEWAY_FIELDS = frozenset({"keep_alive"})
+GATEWAY_FIELDS = frozenset({"keep_alive", "mlxfleet_history", "mlxfleet_response_id"})
 
 #: Set by the gateway on a Responses request whose ``input`` already holds the history
 #: that ``previous_response_id`` names (workers keep no responses).
 HISTORY_FIELD = "mlxfleet_history"
+#: Set by the gateway on a Responses request: the id the response gets (the gateway
+#: stores it under that id; in a fleet the id names the storing node).
+RESPONSE_ID_FIELD = "mlxfleet_response_id"
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -77,7 +77,8 @@ def images_server():
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("vision"), env={
-        "MLXFLEET_ALLOW_IMAGE_URLS": "1", "MLXFLEET_MAX_IMAGE_PIXELS": "1000000"})
+        "MLXFLEET_ALLOW_IMAGE_URLS": "1", "MLXFLEET_MAX_IMAGE_PIXELS": "1000000",
+        "MLXFLEET_MAX_REQUEST_PIXELS": "1500000"})
     f.write("vlm.yaml", manifest("vlm", source="builtin:tiny-vlm", aliases=["llava"],
                                  defaults={"temperature": 0, "maxTokens": 8}))
     f.write("tiny.yaml", manifest("tiny", source="builtin:tiny"))
@@ -206,6 +207,32 @@ def test_formats_pixels_truncation_and_several_images(fleet):
     assert ask(fleet, two).usage.prompt_tokens == \
         ask(fleet, one).usage.prompt_tokens + IMAGE_TOKENS
     assert ask(fleet, [{"role": "user", "content": "still here?"}]).choices  # unharmed
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` and holds no pixels: a few dozen bytes
+    that say 'decompress me to gigabytes' (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def test_decompression_bombs_and_the_request_pixel_budget_are_400s(fleet):
+    status, body = _error(fleet, image_message(data_uri(png_header_only(20000, 20000))))
+    assert status == 400 and "pixels" in body["error"]["message"], body  # was a 500
+    # each image under the per-image limit (1 MP), together over the request's (1.5 MP)
+    big = data_uri(encoded(picture(3, size=(1000, 900)), "PNG"))
+    two = image_message(big)
+    two[0]["content"].insert(0, {"type": "image_url", "image_url": {"url": big}})
+    status, body = _error(fleet, two)
+    assert status == 400 and "in one request" in body["error"]["message"], body
+    assert ask(fleet, image_message(big)).choices  # one of them alone is fine
 
 
 def test_images_to_a_text_model_are_refused_in_each_protocol(fleet):

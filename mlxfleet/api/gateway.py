@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from quart import Quart
 
@@ -22,6 +23,26 @@ from .ollama import register_ollama
 from .responses import ResponseStore, register_responses
 
 log = logging.getLogger("mlxfleet.gateway")
+
+
+async def _from_node(supervisor: Any, node: str, method: str, rid: str, owner: str
+                     ) -> Optional[dict]:
+    """Ask the node that stored a response for it (GET) or to delete it (DELETE), on
+    behalf of ``owner``; None when it has none for them or does not answer."""
+    import httpx
+
+    from .responses import OWNER_HEADER
+
+    fleet = supervisor.fleet
+    url = fleet.url(node) if fleet is not None else None
+    if url is None:
+        return None
+    try:
+        r = await fleet.client.request(method, f"{url}/v1/responses/{rid}", timeout=10,
+                                       headers={**fleet.headers(), OWNER_HEADER: owner})
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
 
 
 def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
@@ -45,8 +66,11 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
                   more_hosts=node_hosts)
     install_guard(app, guard)
     metrics = Metrics(supervisor)
-    store = ResponseStore(settings.responses_store_max, settings.responses_store_mb << 20,
-                          settings.responses_ttl)
+    store = ResponseStore(Path(settings.state_dir).expanduser() / "responses.sqlite3",
+                          settings.responses_store_max, settings.responses_store_mb << 20,
+                          settings.responses_ttl, node=settings.node)
+    store.remote = lambda node, method, rid, owner: _from_node(supervisor, node, method, rid,
+                                                               owner)
     app.asgi_app = ModelRoutes(supervisor, guard, metrics, store, mcp, app.asgi_app)
     metrics.install(app, enabled=settings.enable_metrics)  # counts both
     started = time.time()
@@ -81,7 +105,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     register_control(app, supervisor)
     register_ollama(app, supervisor)
     register_dashboard(app)
-    register_responses(app, store)
+    register_responses(app, store, bool(settings.api_keys))
     register_mcp(app, mcp)
     return app
 

@@ -38,7 +38,7 @@ from .guard import Guard, request_id
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
 from .ollama import load_or_unload, ollama_unload
-from .responses import ResponseStore
+from .responses import ResponseStore, owner_of
 
 log = logging.getLogger("mlxfleet.gateway")
 
@@ -156,15 +156,15 @@ class ModelRoutes:
             if done is not None:
                 return await out.json(done)
         pending = None
-        if path == "/v1/responses":
-            sent, pending = store.prepare(body)
-            if sent is not body:
-                raw = json.dumps(sent).encode()
+        if path == "/v1/responses" and sender is None:  # a forwarding node stores it
+            owner = owner_of(headers, bool(self.guard.api_keys), False)
+            body, pending = await store.prepare(body, owner)
+            raw = json.dumps(body).encode()
             if any(isinstance(t, dict) and t.get("type") == "mcp"
-                   for t in sent.get("tools") or []):
-                resp = await respond_with_mcp(self.mcp, sent, lambda b: _ask_worker(
+                   for t in body.get("tools") or []):
+                resp = await respond_with_mcp(self.mcp, body, lambda b: _ask_worker(
                     sup, model, deadline, keep_alive, b, fwd))
-                store.put(resp, pending)
+                await store.put(resp, pending)
                 return await out.json(resp)
 
         def relayed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -202,7 +202,7 @@ class ModelRoutes:
             await upstream.aclose()  # on timeout this aborts the generation in the worker
             lease.release()
         if pending and upstream.status_code == 200:
-            store.capture(content, pending)
+            await store.capture(content, pending)
         extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
             if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
         await out.send(upstream.status_code, ctype, content, extra)

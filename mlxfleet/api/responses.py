@@ -2,26 +2,42 @@
 ``previous_response_id``.
 
 Workers are stateless formatters (``worker/responses.py``); this module keeps
-finished responses in memory, bounded by count, bytes and age, answers ``GET``
-and ``DELETE /v1/responses/{id}`` and ``GET .../input_items``, and turns
-``previous_response_id`` into the whole conversation sent as ``input`` (the
-worker's prompt cache makes that resend cheap). Responses created with
-``store: false`` are not kept.
+finished responses in SQLite under the state directory (WAL; one thread does every
+database call, so the event loop never waits on the disk), bounded by count, bytes
+and age, answers ``GET`` and ``DELETE /v1/responses/{id}`` and ``GET .../input_items``,
+and turns ``previous_response_id`` into the whole conversation sent as ``input`` (the
+worker's prompt cache makes that resend cheap). Responses created with ``store: false``
+are not kept.
+
+A response belongs to the API key that created it (stored as a hash): another key
+gets a 404 and can neither read, continue nor delete it. A response is stored before
+its last byte reaches the client, so an acknowledged response survives a crash. In a
+fleet the gateway names the response's id after its node (``resp_<hex>_<node>``), and
+any node answers for it by asking that node.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import sqlite3
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
-from quart import Quart, request
+from quart import Quart, g, request
 
-from ..wire import HISTORY_FIELD, APIError
+from ..wire import HISTORY_FIELD, RESPONSE_ID_FIELD, APIError
+from .guard import presented_key
+
+#: The header a node sends with a request for a stored response on behalf of a client
+#: (trusted only with the fleet key): whose responses it may see.
+OWNER_HEADER = "X-Mlxfleet-Owner"
 
 
 @dataclass
@@ -29,8 +45,6 @@ class Stored:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]  # this request's own input (for input_items)
     conversation: list[dict[str, Any]]  # everything the model saw as input
-    size: int
-    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -39,103 +53,219 @@ class Pending:
 
     input_items: list[dict[str, Any]]
     conversation: list[dict[str, Any]]
+    owner: str
 
 
 def _items(inp: Any) -> list[dict[str, Any]]:
     """``input`` as a list of items, each with an id (as OpenAI lists them)."""
-    items = [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) \
+    items = [{"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": inp}]}] if isinstance(inp, str) \
         else [dict(i) for i in inp if isinstance(i, dict)] if isinstance(inp, list) else []
     for it in items:
         it.setdefault("id", f"msg_{uuid.uuid4().hex[:24]}")
     return items
 
 
+def owner_of(headers: Any, has_keys: bool, forwarded: bool) -> str:
+    """Who a stored response belongs to: a hash of the client's API key ("" without
+    keys: one owner, the machine's user). A node asking for a response on a client's
+    behalf (``forwarded``: the guard checked it) says whose it is."""
+    if forwarded and headers.get(OWNER_HEADER.lower()) is not None:
+        return headers.get(OWNER_HEADER.lower())
+    key = presented_key(headers) if has_keys else None
+    return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
+
+
+def node_of(rid: str) -> Optional[str]:
+    """The node named in a fleet response id (``resp_<hex>_<node>``)."""
+    parts = rid.split("_")
+    return parts[2] if len(parts) == 3 and parts[0] == "resp" and parts[2] else None
+
+
+_SCHEMA = """
+create table if not exists responses (
+  id text primary key,
+  owner text not null,
+  created real not null,
+  size integer not null,
+  response text not null,
+  input_items text not null,
+  conversation text not null
+);
+create index if not exists responses_created on responses(created);
+"""
+
+
 class ResponseStore:
-    def __init__(self, max_count: int, max_bytes: int, ttl: float):
-        self.max_count, self.max_bytes, self.ttl = max_count, max_bytes, ttl
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self.bytes = 0
+    """Stored responses in SQLite (``path``; None keeps them in memory, for tests and a
+    read-only state dir). Every method that touches the database is a coroutine that
+    runs on the store's one thread."""
 
-    def get(self, rid: str) -> Optional[Stored]:
-        self._expire()
-        return self._items.get(rid)
+    def __init__(self, path: Optional[Path], max_count: int, max_bytes: int, ttl: float,
+                 node: Optional[str] = None):
+        self.max_count, self.max_bytes, self.ttl, self.node = max_count, max_bytes, ttl, node
+        self.path = path
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="responses-db")
+        self._db: Optional[sqlite3.Connection] = None
+        #: set by the gateway in a fleet: ask another node for one of its responses
+        self.remote: Optional[Callable[[str, str, str, str], Awaitable[Optional[dict]]]] = None
 
-    def delete(self, rid: str) -> bool:
-        s = self._items.pop(rid, None)
-        if s is not None:
-            self.bytes -= s.size
-        return s is not None
+    # ---- the database thread ---------------------------------------------
 
-    def put(self, response: dict[str, Any], pending: Pending) -> None:
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            target = ":memory:"
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                target = str(self.path)
+            db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+            db.execute("pragma journal_mode=wal")
+            db.execute("pragma synchronous=normal")  # a process crash loses nothing
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(self._conn()))
+
+    def close(self) -> None:
+        def shut():
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+        self._pool.submit(shut).result()
+        self._pool.shutdown()
+
+    # ---- reads and writes --------------------------------------------------
+
+    async def get(self, rid: str, owner: str) -> Optional[Stored]:
+        cutoff = time.time() - self.ttl
+        row = await self._run(lambda db: db.execute(
+            "select response, input_items, conversation from responses where id = ? and "
+            "owner = ? and created >= ?", (rid, owner, cutoff)).fetchone())
+        if row is None:
+            return None
+        return Stored(*(json.loads(x) for x in row))
+
+    async def delete(self, rid: str, owner: str) -> bool:
+        n = await self._run(lambda db: db.execute(
+            "delete from responses where id = ? and owner = ?", (rid, owner)).rowcount)
+        return n > 0
+
+    async def put(self, response: dict[str, Any], pending: Pending) -> None:
         rid = response.get("id")
         if not isinstance(rid, str) or response.get("store") is False:
             return
-        s = Stored(response, pending.input_items, pending.conversation, 0)
-        s.size = len(json.dumps([response, pending.conversation]))
-        if s.size > self.max_bytes:
+        row = (json.dumps(response), json.dumps(pending.input_items),
+               json.dumps(pending.conversation))
+        size = sum(map(len, row))
+        if size > self.max_bytes:
             return
-        self.delete(rid)
-        self._items[rid] = s
-        self.bytes += s.size
-        while len(self._items) > self.max_count or self.bytes > self.max_bytes:
-            self.delete(next(iter(self._items)))
+        now = time.time()
 
-    def _expire(self) -> None:
-        cutoff = time.monotonic() - self.ttl
-        while self._items:
-            first = next(iter(self._items.values()))
-            if first.at >= cutoff:
-                break
-            self.delete(first.response["id"])
+        def write(db: sqlite3.Connection) -> None:
+            with db:  # one transaction: the row and the bounds it enforces
+                db.execute("insert or replace into responses values (?, ?, ?, ?, ?, ?, ?)",
+                           (rid, pending.owner, now, size, *row))
+                db.execute("delete from responses where created < ?", (now - self.ttl,))
+                db.execute("delete from responses where id in (select id from responses "
+                           "order by created desc limit -1 offset ?)", (self.max_count,))
+                total = db.execute("select coalesce(sum(size), 0) from responses").fetchone()[0]
+                if total > self.max_bytes:  # oldest first, until the rest fits
+                    db.execute(
+                        "delete from responses where id in (select id from (select id, "
+                        "sum(size) over (order by created desc) as running from responses) "
+                        "where running > ?)", (self.max_bytes,))
+
+        await self._run(write)
+
+    async def count(self) -> int:
+        return await self._run(lambda db: db.execute("select count(*) from responses")
+                               .fetchone()[0])
 
     # ---- the request path ------------------------------------------------
 
-    def prepare(self, body: dict[str, Any]) -> tuple[dict[str, Any], Pending]:
-        """The body to send (history expanded) and what to store afterwards."""
+    def new_id(self) -> str:
+        hexid = uuid.uuid4().hex[:24]
+        return f"resp_{hexid}_{self.node}" if self.node else f"resp_{hexid}"
+
+    async def find(self, rid: str, owner: str) -> Optional[Stored]:
+        """This node's response, or in a fleet, the one its node stored."""
+        s = await self.get(rid, owner)
+        node = node_of(rid)
+        if s is None and node and node != self.node and self.remote is not None:
+            got = await self.remote(node, "GET", rid, owner)
+            if got is not None:
+                s = Stored(got["response"], got["input_items"], got["conversation"])
+        return s
+
+    async def prepare(self, body: dict[str, Any], owner: str
+                      ) -> tuple[dict[str, Any], Pending]:
+        """The body to send (history expanded, the response's id chosen) and what to
+        store afterwards."""
         own = _items(body.get("input"))
         prev_id = body.get("previous_response_id")
         history: list[dict[str, Any]] = []
+        body = {**body, RESPONSE_ID_FIELD: self.new_id()}
         if prev_id is not None:
-            prev = self.get(prev_id) if isinstance(prev_id, str) else None
+            prev = await self.find(prev_id, owner) if isinstance(prev_id, str) else None
             if prev is None:
                 raise APIError(404, f"Previous response with id '{prev_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found",
                                type="invalid_request_error")
             history = prev.conversation + [dict(o) for o in prev.response.get("output", [])]
-            body = {**body, "input": history + own, HISTORY_FIELD: True}
-        return body, Pending(own, history + own)
+            body.update({"input": history + own, HISTORY_FIELD: True})
+        return body, Pending(own, history + own, owner)
 
-    def capture(self, content: bytes, pending: Pending) -> None:
-        """Store a non-streamed answer."""
+    async def capture(self, content: bytes, pending: Pending) -> None:
+        """Store a non-streamed answer (before it is sent)."""
         try:
             resp = json.loads(content)
         except ValueError:
             return
         if isinstance(resp, dict) and resp.get("object") == "response":
-            self.put(resp, pending)
+            await self.put(resp, pending)
 
     async def capture_stream(self, chunks: AsyncIterator[bytes], pending: Pending
                              ) -> AsyncIterator[bytes]:
-        """Relay a stream unchanged; store the response its last event carries."""
+        """Relay a stream; the chunk that completes the final event is held until the
+        response it carries is stored."""
         tail = b""
+        stored = False
         async for chunk in chunks:
+            if not stored:
+                tail = (tail + chunk)[-(1 << 22):]  # the final event, at most 4 MiB of it
+                resp = _final_response(tail)
+                if resp is not None:
+                    stored = True
+                    await self.put(resp, pending)
             yield chunk
-            tail = (tail + chunk)[-(1 << 22):]  # the final event, at most 4 MiB of it
-        for kind in (b"event: response.completed\n", b"event: response.incomplete\n"):
-            at = tail.rfind(kind)
-            if at >= 0:
-                data = tail[at + len(kind):].split(b"\n", 1)[0]
-                if data.startswith(b"data: "):
-                    try:
-                        self.put(json.loads(data[6:])["response"], pending)
-                    except (ValueError, KeyError, TypeError):
-                        pass
-                return
 
 
-def register_responses(app: Quart, store: ResponseStore) -> None:
-    def find(rid: str) -> Stored:
-        s = store.get(rid)
+def _final_response(tail: bytes) -> Optional[dict[str, Any]]:
+    """The response of a complete ``response.completed`` / ``.incomplete`` event."""
+    for kind in (b"event: response.completed\n", b"event: response.incomplete\n"):
+        at = tail.rfind(kind)
+        if at < 0:
+            continue
+        line, sep, _ = tail[at + len(kind):].partition(b"\n")
+        if not sep or not line.startswith(b"data: "):
+            return None  # not all there yet
+        try:
+            resp = json.loads(line[6:])["response"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return resp if isinstance(resp, dict) else None
+    return None
+
+
+def register_responses(app: Quart, store: ResponseStore, has_keys: bool) -> None:
+    def _owner() -> str:
+        return owner_of(request.headers, has_keys, getattr(g, "forwarded_by", None) is not None)
+
+    async def find(rid: str) -> Stored:
+        s = await store.find(rid, _owner())
         if s is None:
             raise APIError(404, f"No response found with id '{rid}'.", param="response_id",
                            code="response_not_found", type="invalid_request_error")
@@ -143,17 +273,26 @@ def register_responses(app: Quart, store: ResponseStore) -> None:
 
     @app.get("/v1/responses/<rid>")
     async def get_response(rid: str):
-        return find(rid).response
+        s = await find(rid)
+        if getattr(g, "forwarded_by", None) is not None:  # another node asks: all of it
+            return {"response": s.response, "input_items": s.input_items,
+                    "conversation": s.conversation}
+        return s.response
 
     @app.delete("/v1/responses/<rid>")
     async def delete_response(rid: str):
-        find(rid)
-        store.delete(rid)
+        owner = _owner()
+        node = node_of(rid)
+        if node and node != store.node and store.remote is not None:
+            if await store.remote(node, "DELETE", rid, owner) is None:
+                await find(rid)  # the 404
+        elif not await store.delete(rid, owner):
+            await find(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/<rid>/input_items")
     async def input_items(rid: str):
-        items = list(find(rid).input_items)
+        items = list((await find(rid)).input_items)
         if request.args.get("order", "desc") == "desc":
             items.reverse()
         try:

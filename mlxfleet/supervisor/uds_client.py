@@ -112,6 +112,7 @@ class UDSClient:
                 head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
         data = "".join(head).encode("latin-1") + body
+        stale = None
         while self._idle:  # a kept connection; the worker may have closed it meanwhile
             reader, writer = self._idle.pop()
             if reader.at_eof() or writer.is_closing():
@@ -119,11 +120,13 @@ class UDSClient:
                 continue
             try:
                 return await self._exchange(reader, writer, data, method)
-            except _Stale:
-                continue  # closed under us before answering anything: a fresh one
+            except _Stale as e:
+                stale = e  # closed under us before answering anything: a fresh one
         try:
             reader, writer = await asyncio.open_unix_connection(self.path, limit=_MAX_HEAD)
         except OSError as e:
+            if stale is not None:  # it took the request, then died: not safe to resend
+                raise WorkerFailed(f"{stale}, and is gone") from None
             raise WorkerUnreachable(f"cannot connect to {self.path}: {e}") from None
         try:
             return await self._exchange(reader, writer, data, method)

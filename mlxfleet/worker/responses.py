@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from quart import Quart
 
-from ..wire import HISTORY_FIELD, APIError, parse_model
+from ..wire import HISTORY_FIELD, RESPONSE_ID_FIELD, APIError, parse_model
 from .app import Worker
 from .images import ImageRef, openai_image
 from .parsers import call_id
@@ -235,7 +235,9 @@ class _Shell:
     """The response object's fields that do not depend on the output."""
 
     def __init__(self, req: ResponsesRequest, name: str):
-        self.id = _item_id("resp")
+        given = (req.model_extra or {}).get(RESPONSE_ID_FIELD)
+        self.id = given if isinstance(given, str) and given.startswith("resp_") \
+            and len(given) <= 100 else _item_id("resp")
         self.created_at = int(time.time())
         fmt = (req.text.format if req.text else None) or {"type": "text"}
         self.fields = {
