@@ -4,6 +4,10 @@ budget)."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+
 import httpx
 import pytest
 from fleet import Fleet, manifest
@@ -89,10 +93,72 @@ def test_generated_manifests_never_get_a_5xx(fleet):
               suppress_health_check=list(HealthCheck))
     @given(docs)
     def check(text):
-        r = client.post("/mlxfleet/v1/manifests", content=text.encode())
+        r = client.post("/mlxfleet/v1/manifests", content=text.encode(),
+                        headers={"Content-Type": "application/yaml"})
         assert r.status_code < 500, (text, r.text)
         if r.status_code == 200:  # it was a valid model: take it away again
             client.delete("/mlxfleet/v1/models/fz")
+
+    check()
+    assert fleet.status("tiny")["ready"]
+
+
+KEYS = st.sampled_from(["a", "b", "c"])
+schemas = st.recursive(
+    st.one_of(st.just({}), st.sampled_from([{"type": t} for t in (
+        "string", "integer", "number", "boolean", "null", "object", "array")]),
+        st.builds(lambda p: {"type": "string", "pattern": p}, st.text("ab[]{}()*+?^$|.\\1-9",
+                                                                      max_size=12)),
+        st.builds(lambda v: {"enum": v}, st.lists(scalars, min_size=1, max_size=5)),
+        st.just({"$ref": "#"})),
+    lambda inner: st.one_of(
+        st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
+                  st.dictionaries(KEYS, inner, max_size=3), st.lists(KEYS, max_size=3)),
+        st.builds(lambda items, n: {"type": "array", "items": items, "minItems": n},
+                  inner, st.integers(0, 3)),
+        st.builds(lambda opts: {"anyOf": opts}, st.lists(inner, max_size=3))),
+    max_leaves=8)
+
+
+def test_generated_schemas_parse_or_are_refused(fleet):
+    """Structured output: whatever the schema, a 400 that says why, or an answer that
+    parses (even when max_tokens cuts it), and the worker lives on."""
+    client = httpx.Client(base_url=fleet.url, timeout=60)
+    pid = fleet.status("tiny")["pid"]
+
+    @settings(max_examples=int(os.environ.get("FUZZ_SCHEMAS", 40)), deadline=None,
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(schemas, st.integers(4, 40))
+    def check(schema, max_tokens):
+        r = client.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}}})
+        assert r.status_code in (200, 400), (schema, r.status_code, r.text)
+        if r.status_code == 200:
+            json.loads(r.json()["choices"][0]["message"]["content"])
+        else:
+            assert r.json()["error"]["code"] in ("invalid_schema", "invalid_value"), r.text
+
+    check()
+    s = fleet.status("tiny")
+    assert s["ready"] and s["pid"] == pid
+
+
+def test_generated_images_never_get_a_5xx(fleet):
+    client = httpx.Client(base_url=fleet.url, timeout=60)
+
+    @settings(max_examples=30, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.binary(max_size=300), st.sampled_from(["image/png", "image/jpeg", "text/x"]))
+    def check(data, mime):
+        uri = f"data:{mime};base64," + base64.b64encode(data).decode()
+        r = client.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "what is it?"}]}]})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
     check()
     assert fleet.status("tiny")["ready"]

@@ -135,6 +135,23 @@ def test_the_dashboard_shows_the_nodes_and_where_models_run(nodes, browser, tmp_
     assert not errors, errors
 
 
+def test_a_stored_response_is_answered_by_any_node(nodes):
+    """Created through node a for a model that node c runs: a stores it under an id that
+    names a, and b reads, continues and deletes it by asking a."""
+    a = openai.OpenAI(base_url=nodes["a"].url + "/v1", api_key="x", max_retries=0)
+    b = openai.OpenAI(base_url=nodes["b"].url + "/v1", api_key="x", max_retries=0)
+    first = a.responses.create(model="free1", input="hello", max_output_tokens=3)
+    assert first.id.endswith("_a"), first.id
+    assert b.responses.retrieve(first.id).output_text == first.output_text
+    assert b.responses.input_items.list(first.id).data
+    follow = b.responses.create(model="free1", input="and then", max_output_tokens=3,
+                                previous_response_id=first.id)
+    assert follow.id.endswith("_b") and follow.previous_response_id == first.id
+    b.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(first.id)
+
+
 def test_a_model_that_fits_nowhere_is_refused_with_the_reason(nodes):
     with pytest.raises(openai.APIStatusError) as e:
         nodes["b"].chat("huge")

@@ -165,6 +165,10 @@ def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):
             len(prompts) == 1 else OutputPlan()
     params = sampling_params(info, req, prompts)
     params.grammar = plan.grammar
+    if plan.grammar is not None and plan.grammar.min_tokens > params.max_tokens:
+        raise APIError(400, f"max_tokens {params.max_tokens} is too small for the JSON "
+                       f"schema: its shortest complete value takes {plan.grammar.min_tokens} "
+                       "tokens.", param="max_tokens", code="invalid_value")
     return prompts, plan, params, vision
 
 

@@ -105,8 +105,8 @@ def _has_finite_value(root: dict[str, Any]) -> bool:
         if isinstance(s.get("allOf"), list) and not all(finite(x) for x in s["allOf"]):
             return False
         for key in ("anyOf", "oneOf"):
-            if isinstance(s.get(key), list) and s[key] and not any(finite(x) for x in s[key]):
-                return False
+            if isinstance(s.get(key), list) and not any(finite(x) for x in s[key]):
+                return False  # (an empty list allows nothing)
         if "const" in s or "enum" in s:
             return True
         kinds = s.get("type")
@@ -198,14 +198,16 @@ class Grammar:
     """A compiled grammar: its text, which is what travels to a sharded model's other
     ranks (pickled; they compile it again), and llguidance's matcher."""
 
-    def __init__(self, text: str, matcher: Any = None):
+    def __init__(self, text: str, matcher: Any = None, min_tokens: int = 0):
         self.text, self.matcher = text, matcher
+        #: the tokens of the shortest complete value the closer found (0: not known)
+        self.min_tokens = min_tokens
 
     def __getstate__(self) -> dict:
         return {"text": self.text}
 
     def __setstate__(self, state: dict) -> None:
-        self.text, self.matcher = state["text"], None
+        self.text, self.matcher, self.min_tokens = state["text"], None, 0
 
     def start(self, tokenizer: Any, vocab_size: int) -> Any:
         """A fresh matcher for one sequence."""
@@ -221,14 +223,15 @@ def schema_grammar(schema: Any, tokenizer: Any, vocab_size: int) -> Grammar:
     """A JSON schema -> its compiled ``Grammar``, or GrammarError saying why not."""
     check_schema(schema)
     text = json_schema_grammar(schema)
-    return Grammar(text, compile_grammar(text, tokenizer, vocab_size))
+    return Grammar(text, *compile_grammar(text, tokenizer, vocab_size))
 
 
-def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> Any:
-    """The compiled matcher, or GrammarError if llguidance cannot compile ``grammar``
-    within its limits, or fails along the way the closer would complete a value (a
-    regex whose lexer only blows up once a string opens, say). Not on the engine
-    thread, and not on the event loop: it can take a second."""
+def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
+    """The compiled matcher and the length of the shortest value the closer finds (0
+    when it finds none within its horizon), or GrammarError if llguidance cannot compile
+    ``grammar`` within its limits, or fails along the way the closer would complete a
+    value (a regex whose lexer only blows up once a string opens, say). Not on the
+    engine thread, and not on the event loop: it can take a second."""
     import llguidance
 
     m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
@@ -237,11 +240,15 @@ def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> Any:
         raise GrammarError(m.get_error())
     trial = m.deep_copy()
     vocab = _Vocab.of(tokenizer, vocab_size)
-    _closing_tokens(trial, vocab, START, vocab_size, set(tokenizer.eos_token_ids),
-                    CLOSE_HORIZON)
+    plan = _closing_tokens(trial, vocab, START, vocab_size, set(tokenizer.eos_token_ids),
+                           TRIAL_HORIZON)
     if trial.is_error():
         raise GrammarError(trial.get_error())
-    return m
+    if not trial.is_accepting():
+        raise GrammarError(f"no complete value of this schema was found within "
+                           f"{TRIAL_HORIZON} tokens, so an answer could not be guaranteed "
+                           "to parse")
+    return m, len(plan)
 
 
 #: Bytes that can change JSON structure (open or close a string, object or array).
@@ -254,6 +261,10 @@ _CLOSER_BYTES = frozenset(b'"{}[],: ')
 _LITERALS = (b"true", b"false", b"null")
 #: How far from the budget the closer starts planning (and the longest close it plans).
 CLOSE_HORIZON = 48
+#: Tokens of slack kept between the closing plan and the budget.
+CLOSE_SLACK = 4
+#: The longest shortest value a schema may have (found by the closer when compiling).
+TRIAL_HORIZON = 256
 
 
 #: A JSON scanner's state: (open containers, in a string, after a backslash, a key or
@@ -338,6 +349,9 @@ class _Vocab:
             all(b in _CLOSER_BYTES for b in t)
             or t.strip() in _LITERALS or (t.strip().isdigit() and len(t.strip()) == 1))],
             dtype=np.int64)
+        #: tokens that close a string (a quote and what may follow it)
+        self.quotes = np.array([i for i, t in enumerate(self.texts) if t[:1] == b'"'
+                                and len(t) <= 4], dtype=np.int64)
         self._scores: dict[tuple[Scan, int], tuple[int, int, Scan]] = {}
 
     def score(self, state: Scan, token: int) -> tuple[int, int, Scan]:
@@ -361,10 +375,15 @@ class _Vocab:
 _vocabs: dict[int, _Vocab] = {}
 
 
-def _pick(state: Scan, cand: list[int], vocab: _Vocab) -> int:
+#: Filler tokens the closer tries ahead, looking for one after which the string can end.
+LOOKAHEAD = 8
+
+
+def _pick(state: Scan, cand: list[int], vocab: _Vocab, m: Any = None) -> int:
     """The closer's next token: the best score, never one that comes back to the same
     state (``", "`` in an array: one more item, no progress); filler inside a string
-    only as much as the grammar insists on (a minLength, an enum: then the longest)."""
+    only as much as the grammar insists on (a minLength, an enum: then the longest),
+    and preferably filler after which the string may close (a pattern to satisfy)."""
     scored = []
     for t in cand:
         score, filler, after = vocab.score(state, t)
@@ -374,7 +393,16 @@ def _pick(state: Scan, cand: list[int], vocab: _Vocab) -> int:
     if not scored:
         return cand[0]
     if all(f for _, f, _, _ in scored):  # filler is needed: the most per token
-        return min(scored, key=lambda x: (x[0], -x[1], x[2], x[3]))[3]
+        ranked = sorted(scored, key=lambda x: (x[0], -x[1], x[2], x[3]))
+        if m is not None:
+            quotes = vocab.quotes
+            for *_, t in ranked[:LOOKAHEAD]:
+                trial = m.deep_copy()
+                trial.consume_token(t)
+                bits = GrammarProcessor._allowed(trial, len(vocab.texts))
+                if bits[quotes[quotes < bits.size]].any():
+                    return t
+        return ranked[0][3]
     return min(scored)[3]
 
 
@@ -395,6 +423,7 @@ class GrammarProcessor:
     def __init__(self, grammar: Grammar, tokenizer: Any, vocab_size: int,
                  max_tokens: Optional[int] = None):
         self._m = grammar.start(tokenizer, vocab_size)  # compiled once, off this thread
+        self._reach = max(CLOSE_HORIZON, grammar.min_tokens + CLOSE_SLACK + 2)
         self._eos = sorted(tokenizer.eos_token_ids)
         self._base: Optional[int] = None
         self._consumed = 0
@@ -447,10 +476,12 @@ class GrammarProcessor:
 
         left = self._max_tokens - self._consumed
         # Each open container costs a token or two to close: plan earlier when deep.
-        horizon = CLOSE_HORIZON + 2 * len(self._scan[0])
+        horizon = self._reach + 2 * len(self._scan[0])
         if self._plan is None and left <= horizon and not self._m.is_accepting():
             plan = self._close_plan(vocab, self._m, self._scan, horizon)
-            if len(plan) + 2 >= left:  # (a spare token, should the plan grow by one)
+            # Follow the plan a few tokens early: one free token (a key the schema makes
+            # costly, say) can lengthen the way out by more than it uses.
+            if len(plan) + 2 + CLOSE_SLACK >= left:
                 self._plan = plan
                 self.forced_close = True
             else:  # no token whose completion would no longer fit
@@ -499,7 +530,7 @@ def _closing_tokens(m: Any, vocab: _Vocab, state: Scan, size: int, eos: set[int]
         cand = [int(t) for t in cand if int(t) not in eos]
         if not cand:
             break
-        best = _pick(state, cand, vocab)
+        best = _pick(state, cand, vocab, m)
         m.consume_token(best)
         state = scan(state, vocab.texts[best])
         plan.append(best)
