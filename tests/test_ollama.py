@@ -150,8 +150,8 @@ def test_embed_and_embeddings(client):
 
 
 def test_list_show_version(client, fleet):
-    names = {m.model for m in client.list().models}
-    assert {"demo", "default", "tiny", "minilm"} <= names
+    names = {m.model for m in client.list().models}  # tagged, as Ollama lists them
+    assert {"demo:latest", "default:latest", "tiny:latest", "minilm:latest"} <= names
     s = client.show("demo")
     assert "completion" in s.capabilities and s.details.format == "safetensors"
     assert "im_start" in s.template and s.modelinfo["general.architecture"]
@@ -163,15 +163,15 @@ def test_list_show_version(client, fleet):
 def test_keep_alive_load_unload_and_ps(client, fleet):
     r = client.generate(model="tiny", keep_alive=-1)  # no prompt: just load it
     assert r.done_reason == "load"
-    (p,) = [m for m in client.ps().models if m.model == "tiny"]
+    (p,) = [m for m in client.ps().models if m.model == "tiny:latest"]
     assert p.expires_at.year == 9999 and p.size_vram > 0 and p.context_length == 2048
     r = client.chat(model="tiny", messages=[], keep_alive=0)  # unload now
     assert r.done_reason == "unload"
-    assert "tiny" not in {m.model for m in client.ps().models}
+    assert "tiny:latest" not in {m.model for m in client.ps().models}
     assert fleet.status("tiny")["phase"] == "Unloaded"
     client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
                 options={"num_predict": 2}, keep_alive="5m")
-    (p,) = [m for m in client.ps().models if m.model == "tiny"]
+    (p,) = [m for m in client.ps().models if m.model == "tiny:latest"]
     assert p.expires_at.year < 9999
     client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
                 options={"num_predict": 2}, keep_alive=0)  # unloads once idle

@@ -67,7 +67,11 @@ def test_files_added_edited_and_deleted_drive_the_models(fleet):
     assert "alpha" in str(e.value)
     assert wait_for(lambda: not psutil.pid_exists(b2["pid"]), 20)
     models = httpx.get(fleet.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in models] == ["alpha"]
+    assert [(m["id"], m["root"]) for m in models] == [("alpha", "alpha"), ("chat", "alpha")]
+    retrieved = fleet.openai().models.retrieve("chat")  # the SDK's models.retrieve
+    assert retrieved.id == "chat" and retrieved.model_extra["root"] == "alpha"
+    with pytest.raises(openai.NotFoundError):
+        fleet.openai().models.retrieve("beta")
 
 
 def test_spec_change_mid_stream_loses_nothing(fleet):
@@ -311,7 +315,8 @@ def test_serve_source_quick_start(tmp_path):
 
         def ready():
             try:
-                return [m.id for m in client.models.list().data if m.model_extra["ready"]]
+                return [m.id for m in client.models.list().data if m.model_extra["ready"]
+                        and m.model_extra["root"] == m.id]
             except openai.APIConnectionError:
                 return None
 

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from quart import Quart
 
-from ..wire import install_error_handlers
+from ..manifest import is_pattern
+from ..wire import APIError, install_error_handlers
 from .mcp import register_mcp
 from .metrics import Metrics
 from .model_routes import MODEL_ROUTES, ModelRoutes
@@ -86,18 +87,32 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         ready = [n for n in names if supervisor.models[n].ready]
         return {"status": "ok", "models": len(names), "ready": len(ready)}
 
+    def model_entry(rt: Any, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(rt.created or started),
+                "owned_by": "mlxfleet", "root": rt.name, "state": rt.phase.value,
+                "ready": rt.ready, "aliases": list(rt.manifest.spec.aliases),
+                "node": rt.node if rt.remote else supervisor.node_name}
+
     @app.get("/v1/models")
     async def models():
-        """Every model of the fleet; ``node`` says which node runs it (null on a single
-        machine, and for a model no node can run)."""
-        data = []
-        for rt in supervisor.entries():
-            data.append({"id": rt.name, "object": "model",
-                         "created": int(rt.created or started), "owned_by": "mlxfleet",
-                         "state": rt.phase.value, "ready": rt.ready,
-                         "aliases": list(rt.manifest.spec.aliases),
-                         "node": rt.node if rt.remote else supervisor.node_name})
+        """Every model of the fleet, then each alias as a model of its own (``root``
+        names the model it is; glob aliases such as ``claude-*`` are routes, not listed);
+        ``node`` says which node runs it (null on a single machine, and for a model no
+        node can run)."""
+        entries = supervisor.entries()
+        data = [model_entry(rt, rt.name) for rt in entries]
+        data += [model_entry(rt, a) for rt in entries for a in rt.manifest.spec.aliases
+                 if not is_pattern(a)]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/<path:model>")
+    async def model(model: str):
+        """One model by name or alias (what the openai SDK's ``models.retrieve`` asks)."""
+        rt = supervisor.resolve(model)
+        if rt is None:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model",
+                           type="invalid_request_error", code="model_not_found")
+        return model_entry(rt, model)
 
     for route in MODEL_ROUTES:  # served by ModelRoutes; Quart answers other methods (405)
         app.add_url_rule(route, endpoint=route, view_func=_served_elsewhere, methods=["POST"])

@@ -76,6 +76,12 @@ def _entry(rt: Any, name: str) -> dict[str, Any]:
             "size": rt.weight_bytes or 0, "digest": _digest(rt), "details": _details(rt)}
 
 
+def _tagged(name: str) -> str:
+    """Ollama's clients list and match models as ``name:tag`` (``:latest`` when the
+    name has none); requests for ``NAME:latest`` resolve to NAME."""
+    return name if ":" in name else f"{name}:latest"
+
+
 def register_ollama(app: Quart, supervisor: Any) -> None:
     @app.get("/api/version")
     async def version():
@@ -87,7 +93,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
         for rt in supervisor.entries():  # the whole fleet
             for name in (rt.name, *rt.manifest.spec.aliases):
                 if not is_pattern(name):  # claude-* is a route, not a model to list
-                    models.append(_entry(rt, name))
+                    models.append(_entry(rt, _tagged(name)))
         return {"models": models}
 
     @app.get("/api/ps")
@@ -100,7 +106,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             st = rt.status()
             expires = FOREVER if math.isinf(rt.keep_alive) else (st["expiresAt"] or _iso(None))
             resident = rt.memory_bytes() or rt.footprint()
-            models.append({**_entry(rt, n), "expires_at": expires, "size": rt.footprint(),
+            models.append({**_entry(rt, _tagged(n)), "expires_at": expires, "size": rt.footprint(),
                            "size_vram": resident,
                            "context_length": _context_length(_config(rt))})
         return {"models": models}
