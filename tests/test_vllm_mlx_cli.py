@@ -78,7 +78,7 @@ def test_the_documented_production_command(tmp_path):
         r = httpx.post(url + "/v1/chat/completions", headers=with_key, timeout=30, json={
             "model": "demo", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 40000})
-        assert r.status_code == 400 and "32768" in r.json()["error"]["message"]
+        assert r.status_code == 200 and "asked 40000" in r.headers["x-mlxfleet-max-tokens"]
         # Without --enable-auto-tool-choice, as in vllm-mlx, tool calls stay text.
         r = client.chat.completions.create(model="demo", messages=PARIS, tools=[WEATHER],
                                            temperature=0)
@@ -99,8 +99,10 @@ def test_parser_cache_sampling_and_embedding_flags(tmp_path):
         r = client.chat.completions.create(model="demo", messages=[
             {"role": "user", "content": "Hello!"}])
         assert r.usage.completion_tokens == 5  # --max-tokens is the default length
-        with __import__("pytest").raises(openai.BadRequestError):
-            client.chat.completions.create(model="demo", max_tokens=51, messages=PARIS)
+        r = client.chat.completions.with_raw_response.create(  # lowered to the limit, said
+            model="demo", max_tokens=51, messages=PARIS, extra_body={"ignore_eos": True})
+        assert r.headers["x-mlxfleet-max-tokens"].startswith("50; asked 51")
+        assert r.parse().usage.completion_tokens == 50
         chunks = list(client.chat.completions.create(
             model="demo", stream=True, max_tokens=4,
             messages=[{"role": "user", "content": "Hello!"}]))

@@ -19,7 +19,7 @@ from ..manifest import is_pattern
 from ..wire import APIError, install_error_handlers
 from .mcp import register_mcp
 from .metrics import Metrics
-from .model_routes import MODEL_ROUTES, ModelRoutes
+from .model_routes import MODEL_ROUTES, ModelRoutes, log_refusal
 from .ollama import register_ollama
 from .responses import ResponseStore, register_responses
 
@@ -75,6 +75,15 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     app.asgi_app = ModelRoutes(supervisor, guard, metrics, store, mcp, app.asgi_app)
     metrics.install(app, enabled=settings.enable_metrics)  # counts both
     started = time.time()
+
+    @app.after_request
+    async def _log_refusals(response):
+        if response.status_code >= 400 and (response.content_length or 1 << 20) < 1 << 16:
+            from quart import g, request
+
+            log_refusal(getattr(g, "request_id", "-"), request.method, request.path, None,
+                        response.status_code, await response.get_data())
+        return response
 
     @app.get("/v1/status")
     async def status():

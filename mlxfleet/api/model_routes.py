@@ -124,6 +124,7 @@ class ModelRoutes:
         sup, settings, store = self.sup, self.settings, self.store
         body = parse_json_body(raw)
         model = body.get("model")
+        out.asked = model if isinstance(model, str) else None
         if not isinstance(model, str) or not model:
             raise APIError(400, "You must provide a model parameter.", param="model",
                            code="missing_required_parameter")
@@ -187,9 +188,11 @@ class ModelRoutes:
             lease.release()
             raise
         ctype = upstream.headers.get("content-type", "application/json")
+        notices = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
+                   if k.startswith("x-mlxfleet-")]  # the worker's notices to the client
         if ctype.startswith(_STREAMING):
             return await out.stream(upstream.status_code, ctype,
-                                    relayed(_relay(lease, upstream, path)))
+                                    relayed(_relay(lease, upstream, path)), notices)
         try:
             async with until(deadline):
                 content = await upstream.aread()
@@ -205,7 +208,22 @@ class ModelRoutes:
             await store.capture(content, pending)
         extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
             if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
-        await out.send(upstream.status_code, ctype, content, extra)
+        await out.send(upstream.status_code, ctype, content, extra + notices)
+
+
+def log_refusal(request_id: str, method: str, path: str, model: Optional[str], status: int,
+                content: bytes) -> None:
+    """One line for each 4xx/5xx the gateway answers, so an operator can see why a client
+    failed: request id, route, model, status and the error's message (never a body)."""
+    reason = ""
+    try:
+        err = json.loads(content).get("error")
+        reason = err.get("message", "") if isinstance(err, dict) else str(err or "")
+    except (ValueError, AttributeError):
+        pass
+    log.log(logging.ERROR if status >= 500 else logging.WARNING,
+            "%s %s %s model=%s -> %d: %s", request_id, method, path, model or "-", status,
+            reason[:300])
 
 
 class _ClientGone(Exception):
@@ -221,6 +239,7 @@ class _Reply:
         self.labels, self.metrics, self.t0 = labels, metrics, t0
         self.started = False
         self._model = ""
+        self.asked: Optional[str] = None  # the model the request named (for the log)
         if labels is not None:
             labels["route"] = path
 
@@ -242,6 +261,9 @@ class _Reply:
             (b"x-request-id", self.request_id.encode()), *extra]})
 
     async def send(self, status: int, ctype: str, content: bytes, extra: list = ()) -> None:
+        if status >= 400:
+            log_refusal(self.request_id, "POST", self.path, self._model or self.asked, status,
+                        content)
         await self._start(status, ctype, [(b"content-length", str(len(content)).encode()),
                                           *extra])
         await self._send({"type": "http.response.body", "body": content})
@@ -256,9 +278,10 @@ class _Reply:
         await self.json(error_body(err, self.path), err.status,
                         [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()])
 
-    async def stream(self, status: int, ctype: str, body: AsyncIterator[bytes]) -> None:
+    async def stream(self, status: int, ctype: str, body: AsyncIterator[bytes],
+                     extra: list = ()) -> None:
         body = self.metrics.observe_stream(body, self._model, self.t0)
-        await self._start(status, ctype, _STREAM_HEADERS)
+        await self._start(status, ctype, [*_STREAM_HEADERS, *extra])
         try:
             async for chunk in body:
                 await self._send({"type": "http.response.body", "body": chunk,

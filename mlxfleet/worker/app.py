@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional
 
-from quart import Quart, request
+from quart import Quart, g, request
 
 from .. import blas
 from ..wire import (
@@ -125,6 +125,9 @@ def seed_counters(st: dict[str, Any]) -> dict[str, Any]:
                   "memory_mb": round(pc.get("bytes", 0) / (1 << 20), 1)},
     }
 
+
+#: Says that a request's max_tokens was lowered to what the model allows (and from what).
+MAX_TOKENS_HEADER = "X-Mlxfleet-Max-Tokens"
 
 #: Prompts with more text than this are templated and tokenized in a thread.
 INLINE_PREPARE_BYTES = 32 * 1024
@@ -243,6 +246,7 @@ class Worker:
             log.info("ignoring unsupported request fields: %s", ", ".join(extras))
         pipe.request_id = request.headers.get("X-Request-Id") or new_id("req")
         self.calls[pipe.request_id] = pipe
+        g.reply_headers = pipe.headers
         return req, pipe
 
     async def _submit(self, req: GenRequest) -> Pipeline:
@@ -259,9 +263,14 @@ class Worker:
         else:
             prompts, plan, params, vision = _prepare(info, req)
         gen = self.engine.submit(prompts, params, req.n, vision)
-        return Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
+        pipe = Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
                         not req.parallel_tool_calls)
+        if params.asked_max_tokens is not None:
+            pipe.headers[MAX_TOKENS_HEADER] = (
+                f"{params.max_tokens}; asked {params.asked_max_tokens}, more than this model "
+                "allows after this prompt")
+        return pipe
 
     async def count_tokens(self, req: GenRequest) -> int:
         """Prompt tokens of a chat request, images included (as the model sees them)."""
@@ -423,6 +432,13 @@ def create_app(engine: Engine) -> Quart:
     register_anthropic(app, worker)
     register_ollama(app, worker)
     register_responses(app, worker)
+
+    @app.after_request
+    async def _reply_headers(response):
+        """Notices about how a request was served (a clamped max_tokens, ...)."""
+        for k, v in getattr(g, "reply_headers", {}).items():
+            response.headers[k] = v
+        return response
 
     @app.before_serving
     async def _warm():

@@ -101,6 +101,7 @@ class Pipeline:
         self.choices = [_Choice(plan.splitter(tools)) for _ in range(gen.num_sequences)]
         self.open = len(self.choices)
         self.weight = 1  # the worker's in-flight slots this request holds
+        self.headers: dict[str, str] = {}  # notices for the response's headers
 
     async def events(self) -> AsyncIterator[list[Event]]:
         """Event batches as tokens arrive, ending with ``Done``; an engine failure is

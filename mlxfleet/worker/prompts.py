@@ -187,31 +187,24 @@ def sampling_params(info: ModelInfo, req: GenRequest,
     requested = req.max_tokens
     longest = max(len(p) for p in prompts)
     ctx = info.context_length
-    if d.max_request_tokens is not None and requested is not None \
-            and requested > d.max_request_tokens:
-        raise APIError(400, f"max_tokens is too large: {requested}. This server allows at "
-                       f"most {d.max_request_tokens} completion tokens.",
-                       param="max_tokens", code="invalid_value")
     if d.max_prompt_tokens is not None and longest > d.max_prompt_tokens:
         raise APIError(400, f"Your prompt has {longest} tokens; this server accepts at most "
                        f"{d.max_prompt_tokens}.", param=req.prompt_param,
                        code="prompt_too_long")
+    if ctx is not None and longest >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
+                       f"However, your prompt has {longest} tokens. Please shorten it.",
+                       param=req.prompt_param, code="context_length_exceeded")
+    # A max_tokens above what the model allows (the server's limit, or the context left
+    # after the prompt) is lowered to it, as other servers do: agents ask for 32k-128k.
+    limit = d.max_request_tokens
     if ctx is not None:
-        if longest >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
-                           f"However, your prompt has {longest} tokens. Please shorten it.",
-                           param=req.prompt_param, code="context_length_exceeded")
-        if requested is not None and longest + requested > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. "
-                           f"However, you requested {longest + requested} tokens "
-                           f"({longest} in the prompt, {requested} in the completion). "
-                           "Please reduce the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
+        limit = ctx - longest if limit is None else min(limit, ctx - longest)
     max_tokens = requested or d.max_tokens
-    if d.max_request_tokens is not None:
-        max_tokens = min(max_tokens, d.max_request_tokens)
-    if ctx is not None:
-        max_tokens = min(max_tokens, ctx - longest)
+    asked = None
+    if limit is not None and max_tokens > limit:
+        asked = requested if requested is not None and requested > limit else None
+        max_tokens = limit
     bias = req.logit_bias
     if bias:
         bad = [t for t in bias if t >= info.vocab_size]
@@ -238,6 +231,7 @@ def sampling_params(info: ModelInfo, req: GenRequest,
         ignore_eos=req.ignore_eos,
         stop=list(req.stop),
         skip_special_tokens=req.skip_special_tokens,
+        asked_max_tokens=asked,
     )
 
 

@@ -32,6 +32,7 @@ class SamplingParams:
     grammar: Optional[Grammar] = None  # the compiled grammar the output must follow
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the engine thread
     skip_special_tokens: bool = True  # hide special tokens from the text (vLLM's default)
+    asked_max_tokens: Optional[int] = None  # what the client asked, when it was lowered
 
     def sampler_key(self) -> tuple:
         return (self.temperature, self.top_p, self.min_p, self.top_k)
