@@ -144,8 +144,9 @@ def _text_bytes(content: Any) -> int:
 
 def _constrained(req: GenRequest) -> bool:
     """Whether the output follows a grammar (compiled in ``_prepare``)."""
-    return req.response_schema is not None or bool(req.tools) and (
-        req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+    return req.response_schema is not None or req.forced_grammar is not None \
+        or bool(req.tools) and (req.tool_choice == "required"
+                                or isinstance(req.tool_choice, dict))
 
 
 def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):

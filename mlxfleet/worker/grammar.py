@@ -198,16 +198,20 @@ class Grammar:
     """A compiled grammar: its text, which is what travels to a sharded model's other
     ranks (pickled; they compile it again), and llguidance's matcher."""
 
-    def __init__(self, text: str, matcher: Any = None, min_tokens: int = 0):
+    def __init__(self, text: str, matcher: Any = None, min_tokens: int = 0,
+                 closes: bool = True):
         self.text, self.matcher = text, matcher
+        #: JSON: the closer completes the value within max_tokens (Lark: no closer)
+        self.closes = closes
         #: the tokens of the shortest complete value the closer found (0: not known)
         self.min_tokens = min_tokens
 
     def __getstate__(self) -> dict:
-        return {"text": self.text}
+        return {"text": self.text, "closes": self.closes}
 
     def __setstate__(self, state: dict) -> None:
         self.text, self.matcher, self.min_tokens = state["text"], None, 0
+        self.closes = state.get("closes", True)
 
     def start(self, tokenizer: Any, vocab_size: int) -> Any:
         """A fresh matcher for one sequence."""
@@ -224,6 +228,19 @@ def schema_grammar(schema: Any, tokenizer: Any, vocab_size: int) -> Grammar:
     check_schema(schema)
     text = json_schema_grammar(schema)
     return Grammar(text, *compile_grammar(text, tokenizer, vocab_size))
+
+
+def lark_grammar(lark: str, tokenizer: Any, vocab_size: int) -> Grammar:
+    """A Lark grammar (a freeform tool's, e.g. Codex's ``apply_patch``) -> ``Grammar``."""
+    import llguidance
+
+    if len(lark) > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the grammar is {len(lark)} bytes; at most {MAX_SCHEMA_BYTES}")
+    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), lark, log_level=0,
+                             limits=_limits())
+    if m.is_error():
+        raise GrammarError(m.get_error())
+    return Grammar(lark, m, closes=False)
 
 
 def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> tuple[Any, int]:

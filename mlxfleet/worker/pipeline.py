@@ -199,6 +199,8 @@ class Pipeline:
         return ch.splitter.feed(text) if ch.splitter else [("content", text)]
 
     def _finish_pieces(self, ch: _Choice) -> list[tuple[str, Any]]:
+        if self.plan.custom_call:  # the grammar made the whole answer the tool's input
+            return [("call", {"name": self.plan.custom_call, "arguments": {"input": ch.raw}})]
         if self.plan.forced_tool:
             calls = parse_calls(_FORCED, ch.raw, self.tools)
             return [("call", c) for c in calls] if calls else [("content", ch.raw)]

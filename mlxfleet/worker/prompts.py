@@ -52,6 +52,8 @@ class GenRequest:
     skip_special_tokens: bool = True
     prompt_param: str = "messages"  # the field errors about the prompt name
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
+    #: a freeform tool the answer must be a call of: (name, its Lark grammar)
+    forced_grammar: Optional[tuple[str, str]] = None
     # Images, in prompt order; each sits in its message's content as {"type": "image"}.
     images: list[ImageRef] = field(default_factory=list)
 
@@ -114,6 +116,7 @@ class OutputPlan:
     think: Optional[tuple[str, str]] = None
     starts_in_reasoning: bool = False
     forced_tool: bool = False  # tool_choice required/named: the output is one JSON call
+    custom_call: Optional[str] = None  # a forced freeform tool: the output is its input
 
     def splitter(self, tools: Any):
         from .parsers import OutputSplitter
@@ -125,7 +128,7 @@ class OutputPlan:
 
 def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPlan:
     """Grammar and parsers for a chat request; 400 for what cannot be honoured."""
-    from .grammar import GrammarError, schema_grammar, tool_call_schema
+    from .grammar import GrammarError, lark_grammar, schema_grammar, tool_call_schema
     from .parsers import think_markers, tool_format
 
     plan = OutputPlan()
@@ -149,6 +152,15 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
     elif choice == "required" or isinstance(choice, dict):
         raise APIError(400, "tool_choice requires tools.", param="tool_choice",
                        code="invalid_value")
+    if req.forced_grammar is not None:
+        name, lark = req.forced_grammar
+        try:
+            plan.grammar = lark_grammar(lark, tok, info.vocab_size)
+        except GrammarError as e:
+            raise APIError(400, f"The grammar of tool '{name}' cannot be enforced: {e}",
+                           param="tools", code="invalid_grammar") from None
+        plan.forced_tool, plan.custom_call = True, name
+        return plan
     schema = schema or req.response_schema
     if schema is not None:
         try:

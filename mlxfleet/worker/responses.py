@@ -12,7 +12,9 @@ each with a ``sequence_number``. The worker keeps nothing: stored responses,
 from __future__ import annotations
 
 import json
+import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
@@ -32,6 +34,8 @@ from .pipeline import (
     ToolCall,
 )
 from .prompts import GenRequest
+
+log = logging.getLogger("mlxfleet.worker")
 
 
 class FunctionTool(BaseModel):
@@ -97,7 +101,8 @@ def _text(content: Any, where: str, images: Optional[list[ImageRef]] = None) -> 
 
 
 def input_messages(items: Union[str, list[dict[str, Any]]], instructions: Optional[str],
-                   images: Optional[list[ImageRef]] = None) -> list[dict[str, Any]]:
+                   images: Optional[list[ImageRef]] = None,
+                   tmap: Optional[ToolMap] = None) -> list[dict[str, Any]]:
     """Responses input items as chat-template messages (``input_image`` parts collected
     into ``images``)."""
     msgs: list[dict[str, Any]] = []
@@ -116,15 +121,24 @@ def input_messages(items: Union[str, list[dict[str, Any]]], instructions: Option
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text(item.get("content", ""), f"{where}.content",
                                           images if role == "user" else None)})
-        elif kind == "function_call":
-            name, args = item.get("name"), item.get("arguments", "{}")
+        elif kind in ("function_call", "custom_tool_call"):
+            name = item.get("name")
+            args = item.get("arguments", "{}") if kind == "function_call" \
+                else item.get("input", "")
             if not isinstance(name, str) or not isinstance(args, str):
-                raise APIError(400, f"'{where}' needs a 'name' and 'arguments' (a JSON "
-                               "string).", param=where, code="invalid_value")
-            try:
-                parsed = json.loads(args) if args.strip() else {}
-            except ValueError:
-                parsed = args  # templates accept the raw string too
+                raise APIError(400, f"'{where}' needs a 'name' and "
+                               + ("'arguments' (a JSON string)." if kind == "function_call"
+                                  else "an 'input' (a string)."), param=where,
+                               code="invalid_value")
+            if kind == "custom_tool_call":
+                parsed: Any = {"input": args}
+            else:
+                try:
+                    parsed = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    parsed = args  # templates accept the raw string too
+            if tmap is not None:
+                name = tmap.shown(name, item.get("namespace"))
             call = {"id": item.get("call_id") or call_id(), "type": "function",
                     "function": {"name": name, "arguments": parsed}}
             if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
@@ -133,45 +147,112 @@ def input_messages(items: Union[str, list[dict[str, Any]]], instructions: Option
                 msgs[-1]["tool_calls"] = [call]
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out = item.get("output", "")
             msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
                          "content": out if isinstance(out, str)
                          else _text(out, f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not fed back, as with chat completions
+        elif kind in ("reasoning", "web_search_call", "image_generation_call",
+                      "file_search_call", "compaction", "item_reference"):
+            continue  # earlier reasoning is not fed back; hosted tools' records neither
         else:
             raise APIError(400, f"Unsupported input item type {kind!r}.", param=where,
                            code="invalid_value")
     return msgs
 
 
-def _tools(req: ResponsesRequest) -> Optional[list[dict[str, Any]]]:
+#: Says which of a request's tools this server cannot run (hosted by OpenAI: web search,
+#: image generation, ...): they are left out, never a 400.
+DROPPED_TOOLS_HEADER = "X-Mlxfleet-Dropped-Tools"
+
+
+@dataclass
+class ToolMap:
+    """How a request's tools were shown to the model, to name its calls back: custom
+    (freeform) tools take one string ``input``; a namespace's functions are flattened
+    (under their own names, or ``namespace__name`` when two would collide)."""
+
+    custom: dict[str, Optional[str]] = field(default_factory=dict)  # name -> Lark grammar
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # shown -> (ns, name)
+    dropped: list[str] = field(default_factory=list)
+
+    def shown(self, name: str, namespace: Optional[str]) -> str:
+        """The name the model knows a (namespaced) function by."""
+        if namespace:
+            for shown, pair in self.namespaced.items():
+                if pair == (namespace, name):
+                    return shown
+        return name
+
+
+def _custom_function(t: dict[str, Any]) -> dict[str, Any]:
+    """A freeform tool as the model sees it: a function with one string, its grammar in
+    the description (so a model can follow it; a forced call is held to it)."""
+    fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+    desc = str(t.get("description") or "")
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        desc += ("\n\nThe input is free text, not JSON, following this "
+                 f"{fmt.get('syntax', 'lark')} grammar:\n{fmt['definition']}")
+    return {"name": t["name"], "description": desc, "parameters": {
+        "type": "object", "properties": {"input": {"type": "string",
+                                                  "description": "the tool's input"}},
+        "required": ["input"]}}
+
+
+def _tools(req: ResponsesRequest) -> tuple[Optional[list[dict[str, Any]]], ToolMap]:
+    tmap = ToolMap()
     if not req.tools:
-        return None
-    out = []
+        return None, tmap
+    found: list[tuple[Optional[str], dict[str, Any], str]] = []  # (namespace, tool, where)
     for i, t in enumerate(req.tools):
-        if t.type != "function" or not t.name:
-            raise APIError(400, f"Tool type {t.type!r} is not supported here; only function "
-                           "tools (type 'function' with a 'name').", param=f"tools[{i}]",
-                           code="unsupported_tool")
-        out.append({"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": t.parameters or {"type": "object", "properties": {}}}})
-    return out
-
-
-def _tool_choice(tc: Union[str, dict, None]) -> Any:
-    if isinstance(tc, dict):
-        if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
-            raise APIError(400, "tool_choice must be auto, none, required or "
-                           '{"type": "function", "name": ...}.', param="tool_choice",
+        d = {**t.model_dump(exclude_none=True), **(t.model_extra or {})}
+        if t.type == "namespace":
+            subs = d.get("tools") or d.get("functions") or []
+            for j, sub in enumerate(subs if isinstance(subs, list) else []):
+                if isinstance(sub, dict):
+                    found.append((str(d.get("name") or ""), sub, f"tools[{i}].tools[{j}]"))
+        elif t.type in ("function", "custom"):
+            found.append((None, d, f"tools[{i}]"))
+        else:  # web_search, image_generation, file_search, code_interpreter, ...
+            tmap.dropped.append(t.type)
+    names = [str(t.get("name")) for _, t, _ in found]
+    out = []
+    for (ns, t, where), name in zip(found, names):
+        kind = t.get("type", "function")
+        if kind not in ("function", "custom") or not t.get("name") \
+                or not isinstance(t["name"], str):
+            raise APIError(400, f"A {kind} tool needs a 'name'.", param=where,
                            code="invalid_value")
-        return {"name": tc["name"]}
+        shown = name if not ns or names.count(name) == 1 else f"{ns}__{name}"
+        if ns:
+            tmap.namespaced[shown] = (ns, name)
+        if kind == "custom":
+            fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+            tmap.custom[shown] = fmt.get("definition") if fmt.get("type") == "grammar" \
+                and fmt.get("syntax", "lark") == "lark" else None
+            fn = _custom_function(t)
+        else:
+            fn = {"name": name, "description": t.get("description") or "",
+                  "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        out.append({"type": "function", "function": {**fn, "name": shown}})
+    return out or None, tmap
+
+
+def _tool_choice(tc: Union[str, dict, None], tmap: ToolMap) -> tuple[Any, Any]:
+    """(tool_choice for the generation, the forced freeform tool and its grammar)."""
+    if isinstance(tc, dict):
+        kind, name = tc.get("type"), tc.get("name")
+        if kind == "custom" and isinstance(name, str) and tmap.custom.get(name):
+            return "auto", (name, tmap.custom[name])  # the grammar is the whole answer
+        if kind in ("function", "custom") and isinstance(name, str):
+            return {"name": tmap.shown(name, tc.get("namespace"))}, None
+        raise APIError(400, "tool_choice must be auto, none, required or "
+                       '{"type": "function", "name": ...}.', param="tool_choice",
+                       code="invalid_value")
     if tc not in (None, "auto", "none", "required"):
         raise APIError(400, f"Invalid tool_choice {tc!r}.", param="tool_choice",
                        code="invalid_value")
-    return tc
+    return tc, None
 
 
 def _schema(text: Optional[TextConfig]) -> Optional[dict[str, Any]]:
@@ -201,13 +282,24 @@ def responses_request(body: dict[str, Any], keep: Optional[list] = None) -> GenR
         raise APIError(400, "previous_response_id needs the gateway's response store; send "
                        "this request to the gateway (a worker keeps no responses).",
                        param="previous_response_id", code="unsupported_parameter")
+    tools, tmap = _tools(req)
+    if keep is not None:
+        keep.append(tmap)
+    choice, forced = _tool_choice(req.tool_choice, tmap)
     images: list[ImageRef] = []
-    return GenRequest(messages=input_messages(req.input, req.instructions, images),
-                      images=images,
-                      tools=_tools(req), tool_choice=_tool_choice(req.tool_choice),
+    return GenRequest(messages=input_messages(req.input, req.instructions, images, tmap),
+                      images=images, tools=tools, tool_choice=choice, forced_grammar=forced,
                       parallel_tool_calls=req.parallel_tool_calls is not False,
                       response_schema=_schema(req.text), max_tokens=req.max_output_tokens,
-                      temperature=req.temperature, top_p=req.top_p, stream=req.stream)
+                      temperature=req.temperature, top_p=req.top_p, stream=req.stream,
+                      template_kwargs=_effort(req.reasoning))
+
+
+def _effort(reasoning: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``reasoning.effort`` for templates that take it (gpt-oss's ``reasoning_effort``)."""
+    effort = (reasoning or {}).get("effort")
+    return {"reasoning_effort": effort} if effort in ("minimal", "low", "medium", "high") \
+        else {}
 
 
 def _item_id(prefix: str) -> str:
@@ -225,10 +317,20 @@ def _message_item(mid: str, text: str, status: str = "completed") -> dict[str, A
                          "logprobs": []}] if status == "completed" else []}
 
 
-def _call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[-1], "call_id": c.id,
-            "name": c.name, "arguments": c.arguments_json if status == "completed" else "",
-            "status": status}
+def _call_item(c: ToolCall, tmap: ToolMap, status: str = "completed") -> dict[str, Any]:
+    """A call as the Responses API names it: a ``custom_tool_call`` with its raw input
+    for a freeform tool, a ``function_call`` (with its ``namespace``) otherwise."""
+    done = status == "completed"
+    if c.name in tmap.custom:
+        raw = c.arguments.get("input", "")
+        return {"type": "custom_tool_call", "id": "ctc_" + c.id.split("_", 1)[-1],
+                "call_id": c.id, "name": c.name, "status": status,
+                "input": (raw if isinstance(raw, str) else json.dumps(raw)) if done else ""}
+    item = {"type": "function_call", "id": "fc_" + c.id.split("_", 1)[-1], "call_id": c.id,
+            "name": c.name, "arguments": c.arguments_json if done else "", "status": status}
+    if c.name in tmap.namespaced:
+        item["namespace"], item["name"] = tmap.namespaced[c.name]
+    return item
 
 
 class _Shell:
@@ -274,21 +376,24 @@ def register_responses(app: Quart, worker: Worker) -> None:
 
     @app.post("/v1/responses")
     async def create():
-        parsed: list[ResponsesRequest] = []
+        parsed: list = []
         req, pipe = await worker.begin(lambda body: responses_request(body, parsed))
-        shell = _Shell(parsed[0], name)
+        shell, tmap = _Shell(parsed[0], name), parsed[1]
+        if tmap.dropped:
+            log.info("left out tools this server cannot run: %s", ", ".join(tmap.dropped))
+            pipe.headers[DROPPED_TOOLS_HEADER] = ", ".join(tmap.dropped)
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, shell))
+            return worker.stream(pipe, _stream(pipe, shell, tmap))
         r: ChoiceResult = (await worker.collect(pipe))[0]
         output = []
         if r.reasoning:
             output.append(_reasoning_item(_item_id("rs"), r.reasoning))
         if r.text or not r.calls:
             output.append(_message_item(_item_id("msg"), r.text))
-        output.extend(_call_item(c) for c in r.calls)
+        output.extend(_call_item(c, tmap) for c in r.calls)
         return shell.response("completed", output, pipe, r.finish)
 
-    async def _stream(pipe: Pipeline, shell: _Shell):
+    async def _stream(pipe: Pipeline, shell: _Shell, tmap: ToolMap):
         seq = 0
         output: list[dict[str, Any]] = []
         open_item: Optional[dict[str, Any]] = None  # the reasoning or message item being written
@@ -367,16 +472,23 @@ def register_responses(app: Quart, worker: Worker) -> None:
                 elif isinstance(ev, ToolCall):
                     out += close()
                     idx = len(output)
-                    item = _call_item(ev, "in_progress")
+                    item, done = _call_item(ev, tmap, "in_progress"), _call_item(ev, tmap)
                     out.append(event("response.output_item.added", output_index=idx,
                                      item=item))
-                    out.append(event("response.function_call_arguments.delta",
-                                     item_id=item["id"], output_index=idx,
-                                     delta=ev.arguments_json))
-                    out.append(event("response.function_call_arguments.done",
-                                     item_id=item["id"], output_index=idx,
-                                     arguments=ev.arguments_json))
-                    done = _call_item(ev)
+                    if done["type"] == "custom_tool_call":
+                        out.append(event("response.custom_tool_call_input.delta",
+                                         item_id=item["id"], output_index=idx,
+                                         delta=done["input"]))
+                        out.append(event("response.custom_tool_call_input.done",
+                                         item_id=item["id"], output_index=idx,
+                                         input=done["input"]))
+                    else:
+                        out.append(event("response.function_call_arguments.delta",
+                                         item_id=item["id"], output_index=idx,
+                                         delta=ev.arguments_json))
+                        out.append(event("response.function_call_arguments.done",
+                                         item_id=item["id"], output_index=idx,
+                                         arguments=ev.arguments_json))
                     out.append(event("response.output_item.done", output_index=idx,
                                      item=done))
                     output.append(done)

@@ -72,7 +72,8 @@ def logits_processors(p: SamplingParams, tokenizer: Any, vocab_size: int) -> lis
     if p.grammar:
         from .grammar import GrammarProcessor
 
-        procs.append(GrammarProcessor(p.grammar, tokenizer, vocab_size, p.max_tokens))
+        budget = p.max_tokens if p.grammar.closes else None  # the closer knows JSON only
+        procs.append(GrammarProcessor(p.grammar, tokenizer, vocab_size, budget))
     return procs
 
 
