@@ -29,7 +29,8 @@ class _Block(BaseModel):
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: Claude Code's mid-conversation-system beta
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[_Block]]
 
 
@@ -54,6 +55,9 @@ class MessagesRequest(BaseModel):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None  # enabled | adaptive | disabled
+    output_config: Optional[dict[str, Any]] = None  # effort; format: structured output
+    # taken and not acted on: context_management, cache_control, container, service_tier
 
 
 class CountTokensRequest(BaseModel):
@@ -88,6 +92,9 @@ def _messages(req: MessagesRequest | CountTokensRequest, images: list[ImageRef]
     if req.system:
         msgs.append({"role": "system", "content": _text(req.system, "\n\n")})
     for i, m in enumerate(req.messages):
+        if m.role == "system":  # in place; folded for templates that want one, first
+            msgs.append({"role": "system", "content": _text(m.content, "\n\n")})
+            continue
         if isinstance(m.content, str):
             msgs.append({"role": m.role, "content": m.content})
             continue
@@ -155,13 +162,42 @@ def _tool_choice(tc: Optional[dict[str, Any]]) -> Any:
                    code="invalid_value")
 
 
+def _output_schema(oc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """``output_config.format`` (Claude Code's side requests): a JSON schema the answer
+    follows, through the same grammar as OpenAI's ``response_format``."""
+    fmt = (oc or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+            or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "output_config.format must be {\"type\": \"json_schema\", "
+                       "\"schema\": {...}}.", param="output_config.format",
+                       code="invalid_value")
+    return fmt["schema"]
+
+
+def _thinking(req: MessagesRequest) -> dict[str, Any]:
+    """``thinking`` for templates that can turn reasoning on or off (Qwen3's
+    ``enable_thinking``); ``output_config.effort`` for those that take an effort."""
+    out: dict[str, Any] = {}
+    kind = (req.thinking or {}).get("type")
+    if kind in ("enabled", "adaptive", "disabled"):
+        out["enable_thinking"] = kind != "disabled"
+    effort = (req.output_config or {}).get("effort")
+    if effort in ("low", "medium", "high"):
+        out["reasoning_effort"] = effort
+    return out
+
+
 def messages_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(MessagesRequest, body)
     images: list[ImageRef] = []
     return GenRequest(messages=_messages(req, images), images=images, tools=_tools(req),
                       tool_choice=_tool_choice(req.tool_choice), max_tokens=req.max_tokens,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      stop=list(req.stop_sequences or []), stream=req.stream)
+                      stop=list(req.stop_sequences or []), stream=req.stream,
+                      response_schema=_output_schema(req.output_config),
+                      template_kwargs=_thinking(req))
 
 
 def _stop_reason(r: Finish, has_calls: bool) -> tuple[str, Optional[str]]:

@@ -94,9 +94,18 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
     if not getattr(tok, "has_chat_template", False):
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
         return tok.encode(text + "assistant:") if tokenize else text + "assistant:"
+    messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                for m in messages]
     try:
-        ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                      tokenize=tokenize, **req.template_kwargs)
+        try:
+            ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                          tokenize=tokenize, **req.template_kwargs)
+        except Exception:  # noqa: BLE001 - e.g. "System message must be at the beginning"
+            folded = fold_system(messages)
+            if folded is messages:
+                raise
+            ids = tok.apply_chat_template(folded, tools=tools, add_generation_prompt=True,
+                                          tokenize=tokenize, **req.template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the client's input problem
         raise APIError(400, f"The chat template could not render these messages: {e}",
                        param="messages", code="invalid_messages") from None
@@ -105,6 +114,24 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every system message folded into one, first: what templates that take a single
+    leading system message accept (Qwen3's raises on any other). Returns ``messages``
+    itself when there is nothing to fold."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if not system or (len(system) == 1 and messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(_plain(m.get("content")) for m in system if m.get("content"))
+    return [{"role": "system", "content": text}] + [m for m in messages
+                                                     if m.get("role") != "system"]
+
+
+def _plain(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
 
 
 @dataclass
