@@ -101,6 +101,25 @@ def test_status_and_tools_in_openai_format(fleet):
     assert echo["type"] == "function" and echo["function"]["parameters"]["required"] == ["text"]
 
 
+def test_vllm_mlx_shapes(fleet):
+    """vllm-mlx's documented forms: tools with a count, servers, execute by tool_name."""
+    body = httpx.get(fleet.url + "/v1/mcp/tools").json()
+    assert body["count"] == len(body["tools"]) == len(body["data"])
+    (echo,) = [t for t in body["tools"] if t["name"] == "echo"]
+    assert echo["server"] == "calc" and echo["parameters"]["required"] == ["text"]
+    servers = {s["name"]: s for s in httpx.get(fleet.url + "/v1/mcp/servers").json()["servers"]}
+    assert servers["calc"]["tools_count"] == 2 and servers["calc"]["transport"] == "stdio"
+    r = execute(fleet, tool_name="calc__add", arguments={"a": 2, "b": 3})
+    assert r.json()["tool_name"] == "calc__add" and r.json()["text"] == "5"
+    assert r.json()["is_error"] is False and r.json()["error_message"] is None
+    r = execute(fleet, tool_name="echo", arguments={"text": "hi"})  # one server has it
+    assert r.json()["text"] == "hi"
+    r = execute(fleet, tool_name="add", arguments={"a": 1, "b": 1})  # two servers do
+    assert r.status_code == 400 and r.json()["error"]["code"] == "ambiguous_tool"
+    r = execute(fleet, tool_name="nope", arguments={})
+    assert r.status_code == 404
+
+
 def test_execute_and_its_errors(fleet):
     r = execute(fleet, server="calc", tool="add", arguments={"a": 2, "b": 3})
     assert r.status_code == 200 and r.json()["text"] == "5" and not r.json()["is_error"]

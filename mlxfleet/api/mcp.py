@@ -236,6 +236,21 @@ class MCPManager:
                                          "parameters": _schema(t)}})
         return out
 
+    def locate(self, name: str) -> tuple[str, str]:
+        """``server__tool``, or the one server offering ``name`` -> (server, tool)."""
+        server, sep, tool = name.partition("__")
+        if sep and server in self.servers:
+            return server, tool
+        having = [s.name for s in self.servers.values() if any(t.name == name
+                                                                for t in s.tools)]
+        if len(having) == 1:
+            return having[0], name
+        raise APIError(404 if not having else 400, f"No MCP tool named '{name}'" + (
+            "." if not having else f": several servers have it ({', '.join(having)}); send "
+            "'server__tool'."), param="tool_name", type="not_found_error" if not having
+            else "invalid_request_error", code="mcp_tool_not_found" if not having
+            else "ambiguous_tool")
+
     async def execute(self, server: str, tool: str, arguments: Any) -> dict[str, Any]:
         s = self.servers.get(server)
         if s is None:
@@ -292,15 +307,37 @@ def register_mcp(app: Quart, manager: Optional[MCPManager]) -> None:
 
     @app.get("/v1/mcp/tools")
     async def mcp_tools():
-        return {"object": "list", "data": need().tools() if manager else []}
+        """OpenAI-format tools under ``data`` (ours), and vllm-mlx's ``tools`` (``name``,
+        ``description``, ``server``, ``parameters``) with ``count``."""
+        data = manager.tools() if manager else []
+        flat = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                 "server": t["server"], "parameters": t["function"]["parameters"]}
+                for t in data]
+        return {"object": "list", "data": data, "tools": flat, "count": len(flat)}
+
+    @app.get("/v1/mcp/servers")
+    async def mcp_servers():
+        """vllm-mlx's list of servers."""
+        return {"servers": [{"name": s["name"], "state": s["state"],
+                             "transport": s["transport"], "tools_count": s["tools"],
+                             "error": s["last_error"]}
+                            for s in (manager.status()["servers"] if manager else [])]}
 
     @app.post("/v1/mcp/execute")
     async def mcp_execute():
+        """``{"server", "tool", "arguments"}``, or vllm-mlx's ``{"tool_name",
+        "arguments"}`` (``server__tool``, or a tool name only one server has)."""
         body = parse_json_body(await request.get_data())
         server, tool = body.get("server"), body.get("tool")
+        named = body.get("tool_name")
+        if isinstance(named, str) and server is None and tool is None:
+            server, tool = need().locate(named)
+            out = await need().execute(server, tool, body.get("arguments") or {})
+            return {**out, "tool_name": named,
+                    "error_message": out["text"] if out["is_error"] else None}
         if not isinstance(server, str) or not isinstance(tool, str):
-            raise APIError(400, "Give 'server' and 'tool' (strings) and 'arguments'.",
-                           code="missing_required_parameter")
+            raise APIError(400, "Give 'server' and 'tool' (strings) and 'arguments', or "
+                           "'tool_name' and 'arguments'.", code="missing_required_parameter")
         return await need().execute(server, tool, body.get("arguments") or {})
 
 
