@@ -34,7 +34,9 @@ BUILTIN_FORMAT = 1
 DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
 EMBED = "tiny-embed"  # a BERT-family encoder with random weights, for spec.task: embedding
 VLM = "tiny-vlm"  # a LLaVA vision-language model with random weights (needs mlx-vlm)
-BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED, VLM]
+SCRIPTED = "scripted"  # answers from a script (mlxfleet/scripted.py): for testing clients
+SCRIPTED_CONTEXT = 262144
+BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED, VLM, SCRIPTED]
 CONTEXT_LENGTH = 2048
 VOCAB_SIZE = 2048
 
@@ -280,6 +282,13 @@ def write_builtin(name: str, out_dir: Path) -> Path:
         from .builtin_vlm import write_vlm
 
         return write_vlm(out_dir, name)
+    if name == SCRIPTED:
+        from .scripted import write_scripted
+
+        tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+        write_scripted(out_dir, tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
+                       SCRIPTED_CONTEXT)
+        return out_dir
     if name not in BUILTIN_SIZES:
         raise ValueError(f"unknown builtin model {name!r}; choose one of: "
                          f"{', '.join(BUILTIN_NAMES)}")

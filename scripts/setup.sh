@@ -30,3 +30,12 @@ if [ -n "$extra" ] && [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/nu
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extra}"
+# The real agent clients the tests run (tests/agents/package.json pins them), from npm.
+if [ -n "$extra" ]; then
+  if command -v npm >/dev/null 2>&1; then
+    npm install --prefix tests/agents --no-audit --no-fund --loglevel=error >/dev/null \
+      || echo "note: npm could not install the agent clients; their tests will fail" >&2
+  else
+    echo "note: npm is needed for the agent-client tests (Claude Code, ...)" >&2
+  fi
+fi

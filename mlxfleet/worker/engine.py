@@ -230,8 +230,13 @@ class Engine:
             model, config = self.vision.text, self.vision.config
             tokenizer = load_tokenizer(path, trust, eos_token_ids=config.get("eos_token_id"))
         else:
+            from ..scripted import register
+
+            register()  # builtin:scripted's model type, for mlx-lm to find
             model, tokenizer, config = load(str(path), return_config=True,
                                             tokenizer_config=trust)
+            if hasattr(model, "attach_tokenizer"):  # the scripted model reads the text
+                model.attach_tokenizer(tokenizer)
         self._model = model
         self.tokenizer = tokenizer
         self.context_length = context_length(config, tokenizer)

@@ -1,0 +1,180 @@
+"""``builtin:scripted``: a model that answers from a script, for testing clients.
+
+Random weights never call a tool, and real models are too big for CI, so agent clients
+(Claude Code, Codex, opencode, ...) are tested against this one: rules say "when the
+conversation matches this regex, answer that text". The answer still goes through
+everything a real model's would: the real tokenizer and chat template (the builtin
+ChatML one, Hermes-style ``<tool_call>`` markup), mlx-lm's batch generator and sampler,
+the prompt cache, the tool-call and reasoning parsers and every protocol's formatter.
+Only the forward pass is scripted: at each step it puts all the probability on the next
+token of the answer.
+
+How it knows the conversation inside mlx-lm's batch: its one "layer" caches each
+token's id (plus one, so the batch's zero padding is no token) as a 1-dimensional key,
+so every row's cache holds that row's whole sequence, however it was batched, trimmed
+or reused from the prompt cache.
+
+The script is JSON: ``{"rules": [{"when": REGEX, "say": TEXT}, ...], "otherwise": TEXT}``.
+``when`` is searched in the conversation as the template rendered it (the first match
+wins); ``say`` may use the match's groups (``\\1``, ``\\g<name>``). It comes from the file
+named by ``MLXFLEET_SCRIPT`` in the worker's environment (a manifest's ``spec.env``), else
+the checkpoint's ``config.json``. Not for answering people: it knows only its script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+MODEL_TYPE = "mlxfleet_scripted"
+#: What the template writes before each answer (the builtin ChatML template's).
+ANSWER_MARKER = "<|im_start|>assistant\n"
+#: The probability all but one token gets: exp(-BIG) is nothing at any temperature <= 2.
+BIG = 200.0
+
+DEFAULT_SCRIPT = {
+    "rules": [{"when": r"<tool_response>\s*(?P<result>.*?)\s*</tool_response>\s*<\|im_end\|>"
+                       r"\s*<\|im_start\|>assistant\n$",
+               "say": "The tool answered: \\g<result>"}],
+    "otherwise": "I am a scripted test model: my script has no answer for this.",
+}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    vocab_size: int
+    eos_token_id: Any = None
+    script: dict = field(default_factory=lambda: DEFAULT_SCRIPT)
+
+
+class _Script:
+    def __init__(self, script: dict[str, Any]):
+        self.rules = [(re.compile(r["when"], re.S), r["say"]) for r in script.get("rules", [])]
+        self.otherwise = script.get("otherwise", DEFAULT_SCRIPT["otherwise"])
+
+    def answer(self, conversation: str) -> str:
+        for pattern, say in self.rules:
+            m = pattern.search(conversation)
+            if m:
+                return m.expand(say)
+        return self.otherwise
+
+
+def load_script(default: dict[str, Any]) -> _Script:
+    path = os.environ.get("MLXFLEET_SCRIPT")
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return _Script(json.load(f))
+    return _Script(default)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.vocab_size = args.vocab_size
+        self.scale = mx.ones((1,))  # its one weight: mlx-lm loads at least one file
+        self.script = load_script(args.script)
+        eos = args.eos_token_id
+        self.eos = eos[0] if isinstance(eos, list) else eos
+        self.tokenizer: Any = None  # given by the engine after loading (attach_tokenizer)
+        self._answers: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._marker: list[int] = []
+
+    def attach_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._marker = tokenizer.encode(ANSWER_MARKER, add_special_tokens=False)
+
+    @property
+    def layers(self) -> list:
+        return [None]  # one cache: make_cache() below
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, **kwargs) -> mx.array:
+        b, n = inputs.shape
+        ids = (inputs.astype(mx.float32) + 1)[:, None, :, None]  # (B, heads, L, dim)
+        history = ids
+        if cache is not None and cache[0] is not None:
+            history, _ = cache[0].update_and_fetch(ids, ids)
+        rows = history[:, 0, :, 0].astype(mx.int32).tolist()
+        nxt = [self._next([t - 1 for t in row if t > 0]) for row in rows]
+        hot = mx.array(nxt)[:, None, None] == mx.arange(self.vocab_size)[None, None, :]
+        last = mx.where(hot, BIG, -BIG) * self.scale
+        if n == 1:
+            return last
+        return mx.concatenate([mx.zeros((b, n - 1, self.vocab_size)), last], axis=1)
+
+    def _next(self, tokens: list[int]) -> int:
+        """The next token of the answer this conversation gets."""
+        at = _rfind(tokens, self._marker) if self._marker else -1
+        if at < 0 or self.tokenizer is None:
+            return self.eos
+        prompt, written = tuple(tokens[:at + len(self._marker)]), tokens[at + len(self._marker):]
+        answer = self._answers.get(prompt)
+        if answer is None:
+            text = self.tokenizer.decode(list(prompt))
+            answer = self.tokenizer.encode(self.script.answer(text),
+                                           add_special_tokens=False) + [self.eos]
+            self._answers[prompt] = answer
+            while len(self._answers) > 256:
+                self._answers.popitem(last=False)
+        else:
+            self._answers.move_to_end(prompt)
+        return answer[len(written)] if len(written) < len(answer) else self.eos
+
+    def sanitize(self, weights: dict) -> dict:
+        return weights
+
+
+def _rfind(seq: list[int], sub: list[int]) -> int:
+    for i in range(len(seq) - len(sub), -1, -1):
+        if seq[i:i + len(sub)] == sub:
+            return i
+    return -1
+
+
+def register() -> None:
+    """Make mlx-lm find this model type (it imports ``mlx_lm.models.<model_type>``)."""
+    sys.modules.setdefault(f"mlx_lm.models.{MODEL_TYPE}", sys.modules[__name__])
+
+
+def write_scripted(out_dir, tok, ids: dict[str, int], context: int) -> None:
+    """The checkpoint: the builtin tokenizer and template, a config naming this model
+    type (a long declared context: the model costs nothing per token), one weight."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from .builtin import CHAT_TEMPLATE, tokenizer_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    eos = ids["<|im_end|>"]
+    config = {"model_type": MODEL_TYPE, "vocab_size": tok.get_vocab_size(),
+              "max_position_embeddings": context, "num_hidden_layers": 1,
+              "num_key_value_heads": 1, "head_dim": 1, "hidden_size": 1,
+              "eos_token_id": eos, "torch_dtype": "float32", "script": DEFAULT_SCRIPT,
+              "mlxfleet": {"builtin": "scripted"}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(ids, CHAT_TEMPLATE, context), indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    save_file({"scale": np.ones((1,), dtype=np.float32)}, str(out_dir / "model.safetensors"),
+              metadata={"format": "mlx"})
+    (out_dir / "README.md").write_text(
+        "# builtin:scripted\n\nA model that answers from a script, for testing clients "
+        "(see mlxfleet/scripted.py). Not for answering people.\n")

@@ -1,0 +1,80 @@
+"""Real agent clients, unmodified, against a real gateway: each does a streamed tool round
+trip and gives a final answer. The model is ``builtin:scripted`` (it answers from a
+script: when the conversation matches a rule, it says the rule's text), so the tool call
+and the answer are known; everything else is the real path: the client's own requests,
+the protocol routes, the template, the batch generator, the tool parsers, the
+formatters. The clients are pinned in tests/agents/package.json (npm; scripts/setup.sh
+installs them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from fleet import Fleet, manifest
+
+AGENTS = Path(__file__).resolve().parent / "agents" / "node_modules" / ".bin"
+
+#: What the scripted model says: the tool call the client asked for, then what the file
+#: told it (the word exists only in the file: the answer proves the tool ran).
+SCRIPT = {
+    "rules": [
+        {"when": r"<tool_response>[^<]*SECRET-(?P<w>\w+)", "say": "The secret word is \\g<w>."},
+        {"when": r"read the file at (?P<f>/[\w./-]+)",
+         "say": '<tool_call>\n{"name": "Read", "arguments": {"file_path": "\\g<f>"}}\n'
+                "</tool_call>"},
+    ],
+    "otherwise": "OK.",
+}
+
+
+def client(name: str) -> str:
+    path = AGENTS / name
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing: scripts/setup.sh test installs it (npm)")
+        pytest.skip(f"{name} is not installed (bash scripts/setup.sh test)")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent-clients")
+    script = root / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    f = Fleet(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "512"})
+    f.write("scripted.yaml", manifest("scripted", source="builtin:scripted",
+                                      aliases=["claude-*", "gpt-*", "default"],
+                                      keepAlive="forever",
+                                      env={"MLXFLEET_SCRIPT": str(script)}))
+    f.start()
+    f.wait_ready("scripted")
+    yield f
+    f.stop()
+
+
+def test_claude_code_reads_a_file_and_answers(fleet, tmp_path):
+    claude = client("claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("SECRET-pineapple\n")
+    home = tmp_path / "home"  # a fresh user: no settings, no login
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": fleet.url,
+           "ANTHROPIC_API_KEY": "unused", "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+    out = subprocess.run(
+        [claude, "-p", f"Please read the file at {work / 'notes.txt'} and tell me the "
+         "secret word", "--output-format", "json", "--allowedTools", "Read",
+         "--model", "claude-sonnet-4-5"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], fleet.logs())
+    result = json.loads(out.stdout)
+    assert result["subtype"] == "success" and not result["is_error"], result
+    assert result["result"] == "The secret word is pineapple.", result
+    assert result["num_turns"] == 2  # the Read round trip, then the answer
+    shutil.rmtree(home, ignore_errors=True)
