@@ -16,7 +16,8 @@ or reused from the prompt cache.
 
 The script is JSON: ``{"rules": [{"when": REGEX, "say": TEXT}, ...], "otherwise": TEXT}``.
 ``when`` is searched in the conversation as the template rendered it (the first match
-wins); ``say`` may use the match's groups (``\\1``, ``\\g<name>``). It comes from the file
+wins); ``say`` may use the match's groups as ``\\g<name>`` or ``\\g<1>`` (nothing else in
+it is an escape). It comes from the file
 named by ``MLXFLEET_SCRIPT`` in the worker's environment (a manifest's ``spec.env``), else
 the checkpoint's ``config.json``. Not for answering people: it knows only its script.
 """
@@ -65,8 +66,9 @@ class _Script:
     def answer(self, conversation: str) -> str:
         for pattern, say in self.rules:
             m = pattern.search(conversation)
-            if m:
-                return m.expand(say)
+            if m:  # only \g<name> / \g<1> are replaced: the rest is the text as written
+                return re.sub(r"\\g<(\w+)>", lambda g: m.group(
+                    int(g[1]) if g[1].isdigit() else g[1]) or "", say)
         return self.otherwise
 
 

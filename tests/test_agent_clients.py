@@ -24,9 +24,14 @@ AGENTS = Path(__file__).resolve().parent / "agents" / "node_modules" / ".bin"
 SCRIPT = {
     "rules": [
         {"when": r"<tool_response>[^<]*SECRET-(?P<w>\w+)", "say": "The secret word is \\g<w>."},
+        {"when": r"<tool_response>[^<]*Success\. Updated the following files:\s+A (?P<f>\S+)",
+         "say": "I created \\g<f>."},
         {"when": r"read the file at (?P<f>/[\w./-]+)",
          "say": '<tool_call>\n{"name": "Read", "arguments": {"file_path": "\\g<f>"}}\n'
                 "</tool_call>"},
+        {"when": r"create the file (?P<f>[\w.-]+) saying (?P<w>\w+)",
+         "say": '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch'
+                '\\n*** Add File: \\g<f>\\n+\\g<w>\\n*** End Patch\\n"}}\n</tool_call>'},
     ],
     "otherwise": "OK.",
 }
@@ -78,3 +83,24 @@ def test_claude_code_reads_a_file_and_answers(fleet, tmp_path):
     assert result["result"] == "The secret word is pineapple.", result
     assert result["num_turns"] == 2  # the Read round trip, then the answer
     shutil.rmtree(home, ignore_errors=True)
+
+
+def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
+    """Codex on the Responses API: its apply_patch is a freeform tool with a Lark grammar;
+    the call comes back as a custom_tool_call, Codex applies it, then answers."""
+    codex = client("codex")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    (home / ".codex").mkdir(parents=True)
+    provider = (f'model_providers.mlx={{name="mlx", base_url="{fleet.url}/v1", '
+                'wire_api="responses", env_key="MLX_KEY"}')
+    out = subprocess.run(
+        [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--sandbox", "workspace-write",
+         "--color", "never", "-c", "model_provider=mlx", "-c", provider, "-m", "gpt-5.5",
+         "-o", str(tmp_path / "last.txt"), "Please create the file hello.txt saying hi"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
+             "MLX_KEY": "unused"})
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert (work / "hello.txt").read_text() == "hi\n"  # the patch was applied
+    assert (tmp_path / "last.txt").read_text().strip() == "I created hello.txt."
