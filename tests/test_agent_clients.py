@@ -26,6 +26,15 @@ SCRIPT = {
         {"when": r"<tool_response>[^<]*SECRET-(?P<w>\w+)", "say": "The secret word is \\g<w>."},
         {"when": r"<tool_response>[^<]*Success\. Updated the following files:\s+A (?P<f>\S+)",
          "say": "I created \\g<f>."},
+        {"when": r"<tool_response>[^<]*(?i:edit applied successfully)",
+         "say": "Done: the file now says goodbye."},
+        {"when": r"change hello to goodbye in the file at (?P<f>/[\w./-]+)[\s\S]*"
+                 r"<tool_response>[\s\S]*hello world",
+         "say": '<tool_call>\n{"name": "edit", "arguments": {"filePath": "\\g<f>", '
+                '"oldString": "hello", "newString": "goodbye"}}\n</tool_call>'},
+        {"when": r"change hello to goodbye in the file at (?P<f>/[\w./-]+)",
+         "say": '<tool_call>\n{"name": "read", "arguments": {"filePath": "\\g<f>"}}\n'
+                "</tool_call>"},
         {"when": r"read the file at (?P<f>/[\w./-]+)",
          "say": '<tool_call>\n{"name": "Read", "arguments": {"file_path": "\\g<f>"}}\n'
                 "</tool_call>"},
@@ -104,3 +113,31 @@ def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
     assert (work / "hello.txt").read_text() == "hi\n"  # the patch was applied
     assert (tmp_path / "last.txt").read_text().strip() == "I created hello.txt."
+
+
+def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
+    """opencode through its openai-compatible provider (chat completions, streamed): read
+    the file, edit it, answer."""
+    opencode = client("opencode")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    target = work / "greeting.txt"
+    target.write_text("hello world\n")
+    (work / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json", "model": "mlxfleet/scripted",
+        "provider": {"mlxfleet": {
+            "npm": "@ai-sdk/openai-compatible", "name": "mlxfleet",
+            "options": {"baseURL": fleet.url + "/v1", "apiKey": "unused"},
+            "models": {"scripted": {"name": "scripted", "tool_call": True}}}}}))
+    out = subprocess.run(
+        [opencode, "run", "-m", "mlxfleet/scripted",
+         f"Please change hello to goodbye in the file at {target}"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PWD": str(work),  # opencode takes its folder from PWD
+             "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+             "XDG_DATA_HOME": str(home / ".local/share"),
+             "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".state")})
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert target.read_text() == "goodbye world\n"  # read, then edited
+    assert "Done: the file now says goodbye." in out.stdout
