@@ -35,6 +35,9 @@ SCRIPT = {
         {"when": r"change hello to goodbye in the file at (?P<f>/[\w./-]+)",
          "say": '<tool_call>\n{"name": "read", "arguments": {"filePath": "\\g<f>"}}\n'
                 "</tool_call>"},
+        {"when": r"use read_secret on (?P<f>[\w./-]+)",
+         "say": '<tool_call>\n{"name": "read_secret", "arguments": {"path": "\\g<f>"}}\n'
+                "</tool_call>"},
         {"when": r"read the file at (?P<f>/[\w./-]+)",
          "say": '<tool_call>\n{"name": "Read", "arguments": {"file_path": "\\g<f>"}}\n'
                 "</tool_call>"},
@@ -141,3 +144,85 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
     assert target.read_text() == "goodbye world\n"  # read, then edited
     assert "Done: the file now says goodbye." in out.stdout
+
+
+# ---- Python clients: the same round trip through their own code ----------------
+
+SECRETS = {"vault/a": "SECRET-kiwi"}
+ASK = "Please use read_secret on vault/a and tell me the word."
+READ_SECRET = {"type": "function", "function": {
+    "name": "read_secret", "description": "Read a secret by its path.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+
+
+def test_openai_agents_sdk_calls_a_tool_streamed(fleet):
+    import asyncio
+
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def read_secret(path: str) -> str:
+        """Read a secret by its path."""
+        calls.append(path)
+        return SECRETS[path]
+
+    async def run():
+        client = AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+        agent = Agent(name="a", instructions="Answer briefly.", tools=[read_secret],
+                      model=OpenAIChatCompletionsModel("gpt-4.1", client))
+        result = Runner.run_streamed(agent, ASK)
+        async for _ in result.stream_events():
+            pass
+        return result.final_output
+
+    assert asyncio.run(run()) == "The secret word is kiwi."
+    assert calls == ["vault/a"]
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_litellm_streams_a_tool_round_trip(fleet, provider):
+    import litellm
+
+    base = fleet.url + ("/v1" if provider == "openai" else "")
+    model = f"{provider}/{'gpt-4o' if provider == 'openai' else 'claude-sonnet-4-5'}"
+    messages = [{"role": "user", "content": ASK}]
+    kw = dict(model=model, api_base=base, api_key="unused", tools=[READ_SECRET],
+              stream=True)
+    chunks = list(litellm.completion(messages=messages, **kw))  # max_tokens: its default
+    msg = litellm.stream_chunk_builder(chunks, messages=messages).choices[0].message
+    (call,) = msg.tool_calls
+    assert call.function.name == "read_secret"
+    path = json.loads(call.function.arguments)["path"]
+    messages += [msg.model_dump(), {"role": "tool", "tool_call_id": call.id,
+                                    "content": SECRETS[path]}]
+    final = litellm.stream_chunk_builder(list(litellm.completion(messages=messages, **kw)),
+                                         messages=messages)
+    assert final.choices[0].message.content == "The secret word is kiwi."
+
+
+def test_ollama_client_streams_a_tool_round_trip(fleet):
+    import ollama
+
+    client = ollama.Client(host=fleet.url)
+    messages = [{"role": "user", "content": ASK}]
+    calls = [c for part in client.chat(model="scripted", messages=messages,
+                                        tools=[READ_SECRET], stream=True)
+             for c in (part.message.tool_calls or [])]
+    (call,) = calls
+    assert call.function.name == "read_secret"
+    messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "content": SECRETS[call.function.arguments["path"]]}]
+    text = "".join(part.message.content or "" for part in client.chat(
+        model="scripted", messages=messages, tools=[READ_SECRET], stream=True))
+    assert text == "The secret word is kiwi."
