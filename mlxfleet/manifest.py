@@ -109,11 +109,15 @@ class BatchingSpec(_Spec):
 
 class LimitsSpec(_Spec):
     max_request_tokens: Optional[int] = Field(
-        default=None, ge=1, description="the largest max_tokens a request may ask for (400 "
-        "above; server setting max_request_tokens, else the context)")
+        default=None, ge=1, description="the largest max_tokens a request may ask for (a "
+        "larger one is lowered to it; server setting max_request_tokens, else the context)")
     max_prompt_tokens: Optional[int] = Field(
         default=None, ge=1, description="the longest prompt, in tokens (400 above; server "
         "setting max_prompt_tokens, else the context)")
+    context_length: Optional[int] = Field(
+        default=None, ge=16, description="the model's context in tokens, instead of what its "
+        "config says (vLLM's --max-model-len, Ollama's num_ctx): lower it to bound memory, "
+        "or raise it for a model whose positions go further")
     timeout: Optional[Duration] = None
 
     @model_validator(mode="before")

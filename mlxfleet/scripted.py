@@ -67,7 +67,7 @@ class _Script:
         for pattern, say in self.rules:
             m = pattern.search(conversation)
             if m:  # only \g<name> / \g<1> are replaced: the rest is the text as written
-                return re.sub(r"\\g<(\w+)>", lambda g: m.group(
+                return re.sub(r"\\g<(\w+)>", lambda g, m=m: m.group(
                     int(g[1]) if g[1].isdigit() else g[1]) or "", say)
         return self.otherwise
 

@@ -34,6 +34,8 @@ def fleet(tmp_path_factory):
     f = Fleet(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "256"})
     f.write("tiny.yaml", manifest("tiny", keepAlive="forever", aliases=["claude-*"]))
     f.write("strict.yaml", manifest("strict", source=str(strict), keepAlive="forever"))
+    f.write("short.yaml", manifest("short", keepAlive="forever",
+                                   limits={"contextLength": 256}))
     f.start()
     f.wait_ready("tiny")
     f.wait_ready("strict")
@@ -138,3 +140,20 @@ def test_every_refusal_is_in_the_gateways_log(fleet):
     assert "/v1/chat/completions" in line and "no-such-model" in line and "404" in line
     assert "does not exist" in line
     assert any("probe-get" in ln and "/v1/models/nope" in ln for ln in log.splitlines())
+
+
+def test_a_manifest_sets_the_context_length(fleet):
+    """limits.contextLength (vLLM's --max-model-len, Ollama's num_ctx) instead of the
+    checkpoint's 2048: prompts and budgets are held to it, and clients are told."""
+    fleet.wait_ready("short")
+    show = httpx.post(fleet.url + "/api/show", json={"model": "short"}).json()
+    assert show["model_info"]["qwen3.context_length"] == 256
+    r = httpx.post(fleet.url + "/v1/chat/completions", json={
+        "model": "short", "messages": [{"role": "user", "content": "word " * 400}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "256" in r.json()["error"]["message"]
+    r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60, json={
+        "model": "short", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1000, "ignore_eos": True})
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256

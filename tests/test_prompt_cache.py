@@ -138,3 +138,23 @@ def test_a_worker_with_the_block_cache_reuses_a_shared_system_prompt(start_worke
         st = c.get("/v1/status").json()
     assert got[0] == 0 and got[1] >= 128  # the second conversation reused the blocks
     assert st["prompt_cache"]["type"] == "paged" and st["cache"]["type"] == "paged"
+
+
+def test_a_cancelled_request_leaves_its_prefill_for_the_retry(start_worker):
+    """An agent's long prompt, cancelled (the client hung up or timed out) after its
+    prefill: the retry starts from the cache instead of prefilling it all again."""
+
+    w = start_worker(source="builtin:tiny-10m", name="tiny")
+    long = "please remember these words " * 120
+    body = {"model": "tiny", "messages": [{"role": "user", "content": long}],
+            "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with w.client() as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # the first token came: the prompt is prefilled
+        # hung up mid-generation; the same prompt again (a client's retry)
+        again = c.post("/v1/chat/completions", json={**body, "stream": False,
+                                                     "max_tokens": 1}).json()
+    usage = again["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage

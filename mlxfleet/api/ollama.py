@@ -108,7 +108,8 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             resident = rt.memory_bytes() or rt.footprint()
             models.append({**_entry(rt, _tagged(n)), "expires_at": expires, "size": rt.footprint(),
                            "size_vram": resident,
-                           "context_length": _context_length(_config(rt))})
+                           "context_length": rt.manifest.spec.limits.context_length
+                           or _context_length(_config(rt))})
         return {"models": models}
 
     @app.post("/api/show")
@@ -129,7 +130,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
         arch = cfg.get("model_type") or "unknown"
         info = {"general.architecture": arch, "general.parameter_count":
                 int((rt.weight_bytes or 0) / 2)}
-        ctx = _context_length(cfg)
+        ctx = rt.manifest.spec.limits.context_length or _context_length(cfg)
         if ctx:
             info[f"{arch}.context_length"] = ctx
         caps = ["embedding"] if rt.manifest.spec.task == "embedding" else ["completion"]

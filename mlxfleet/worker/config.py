@@ -46,7 +46,11 @@ class WorkerConfig(BaseModel):
     max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
                             "no max_tokens (clipped to the context)")
     max_request_tokens: Optional[int] = Field(None, ge=1, description="the largest "
-                                              "max_tokens a request may ask for (400 above)")
+                                              "max_tokens a request may ask for (lowered "
+                                              "to it above)")
+    context_length: Optional[int] = Field(None, ge=16, description="the model's context, "
+                                          "in tokens, instead of its config's (vLLM's "
+                                          "--max-model-len, Ollama's num_ctx)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="the longest prompt, in "
                                              "tokens (400 above)")
 

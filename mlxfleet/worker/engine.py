@@ -239,7 +239,7 @@ class Engine:
                 model.attach_tokenizer(tokenizer)
         self._model = model
         self.tokenizer = tokenizer
-        self.context_length = context_length(config, tokenizer)
+        self.context_length = self.config.context_length or context_length(config, tokenizer)
         self.vocab_size = int(config.get("vocab_size")
                               or (config.get("text_config") or {}).get("vocab_size")
                               or len(tokenizer))
@@ -436,15 +436,38 @@ class Engine:
         elif isinstance(item, _Cancel):
             uids = [u for u in item.gen.uids if u in self._seqs]
             if uids:
-                self._remove(uids)
+                self._remove(uids, keep_prefix=True)
                 self.stats.cancelled_total += 1
         self._count()
         return True
 
-    def _remove(self, uids: list[int]) -> None:
-        self._bg.remove(uids)
+    def _remove(self, uids: list[int], keep_prefix: bool = False) -> None:
+        """Take sequences out of the batch. A cancelled one (the client left, or its
+        deadline passed) leaves what it prefilled in the prompt cache: the client's retry
+        of a long prompt starts from there instead of paying the whole prefill again."""
+        keep = keep_prefix and not self.config.sharded
+        kept = self._bg.remove(uids, return_prompt_caches=True) if keep else \
+            self._bg.remove(uids)
         for u in uids:
-            self._reserved -= self._seqs.pop(u).reserved
+            seq = self._seqs.pop(u)
+            self._reserved -= seq.reserved
+            if keep and u in kept and seq.key is None:  # (images: keyed by their hashes)
+                self._keep_prefix(*kept[u])
+
+    def _keep_prefix(self, cache: Any, tokens: Any) -> None:
+        """Store a cancelled sequence's cache under the tokens it holds (the processed
+        part of its prompt, and what it generated)."""
+        if not cache:
+            return
+        held = {getattr(c, "offset", None) for c in cache}
+        n = held.pop() if len(held) == 1 else None
+        if not isinstance(n, int) or n <= 0:
+            return  # layers that disagree, or state that is not per token: keep nothing
+        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if len(ids) < n:
+            return
+        self.prompt_cache.store([int(t) for t in ids[:n]], cache,
+                                self.policy.budget - self._reserved)
 
     def _insert(self, gen: Generation, need: int) -> None:
         """Start ``gen``'s sequences, each reserving ``need`` bytes of KV."""
