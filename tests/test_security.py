@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -97,15 +99,39 @@ def test_body_size_limit_is_a_413(secured):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
-def test_timed_out_stream_ends_cleanly_and_frees_the_slot(secured):
+def stalled_stream(secured, path: str, body: dict) -> str:
+    """A stream whose worker stops (SIGSTOP) after its first tokens: the text received."""
+    pid = secured.status("slow")["pid"]
+    got = []
+    try:
+        with httpx.stream("POST", secured.url + path, headers=auth(), timeout=60,
+                          json=body) as r:
+            for chunk in r.iter_text():
+                got.append(chunk)
+                if len(got) == 3:
+                    os.kill(pid, signal.SIGSTOP)  # alive, but sends nothing more
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return "".join(got)
+
+
+def test_the_timeout_cuts_a_stalled_stream_not_a_producing_one(secured):
     h = auth()
     assert wait_for(lambda: httpx.post(secured.url + "/mlxfleet/v1/models/slow/load",
                                        headers=h, timeout=120).status_code == 200, 120)
-    t0 = time.monotonic()
+    # Tokens keep coming for longer than the 2 s timeout: the answer is not cut.
     with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=h, timeout=60,
-                      json={"model": "slow", "messages": MSG, "max_tokens": 1900,
-                            "stream": True}) as r:
+                      json={"model": "slow", "messages": MSG, "max_tokens": 400,
+                            "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
         lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 400
+    # A stream that stalls for 2 s ends with the timeout, in-band, and frees the slot.
+    t0 = time.monotonic()
+    text = stalled_stream(secured, "/v1/chat/completions", {
+        "model": "slow", "messages": MSG, "max_tokens": 1900, "stream": True})
+    lines = [ln for ln in text.splitlines() if ln]
     assert time.monotonic() - t0 < 15
     assert lines[-1] == "data: [DONE]" and '"code":"timeout"' in lines[-2].replace(" ", "")
 
@@ -114,14 +140,13 @@ def test_timed_out_stream_ends_cleanly_and_frees_the_slot(secured):
         return s.get("num_running") == 0 and not s.get("requests")
 
     assert wait_for(idle, 10)
+    # Not streamed, the timeout is the whole request's.
     r = httpx.post(secured.url + "/v1/chat/completions", headers=h, timeout=60,
                    json={"model": "slow", "messages": MSG, "max_tokens": 1900})
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     # On the Anthropic route the in-band error is Anthropic's error event.
-    with httpx.stream("POST", secured.url + "/v1/messages", headers=h, timeout=60,
-                      json={"model": "slow", "messages": MSG, "max_tokens": 1900,
-                            "stream": True}) as r:
-        text = "".join(r.iter_text())
+    text = stalled_stream(secured, "/v1/messages", {
+        "model": "slow", "messages": MSG, "max_tokens": 1900, "stream": True})
     last = text.strip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ") and "[DONE]" not in text
     err = json.loads(last.split("data: ", 1)[1])

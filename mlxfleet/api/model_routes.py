@@ -179,7 +179,8 @@ class ModelRoutes:
             # model loads, so clients and proxies do not time out.
             out.model = rt.name
             return await out.stream(200, "text/event-stream", relayed(
-                _stream_after_load(acquire, target, settings.sse_keepalive_interval)))
+                _stream_after_load(acquire, target, settings.sse_keepalive_interval,
+                                   timeout)))
         lease = await acquire
         out.model = lease.name
         try:
@@ -192,7 +193,7 @@ class ModelRoutes:
                    if k.startswith("x-mlxfleet-")]  # the worker's notices to the client
         if ctype.startswith(_STREAMING):
             return await out.stream(upstream.status_code, ctype,
-                                    relayed(_relay(lease, upstream, path)), notices)
+                                    relayed(_relay(lease, upstream, path, timeout)), notices)
         try:
             async with until(deadline):
                 content = await upstream.aread()
@@ -338,17 +339,23 @@ def _keep_alive(value: Any) -> float:
                        code="invalid_value") from None
 
 
-async def _relay(lease: Lease, upstream: Any, path: str) -> AsyncIterator[bytes]:
-    """The worker's stream, chunk by chunk, until the request's deadline."""
+async def _relay(lease: Lease, upstream: Any, path: str, gap: float
+                 ) -> AsyncIterator[bytes]:
+    """The worker's stream, chunk by chunk. The timeout bounds waiting, not producing:
+    the first chunk must come by the request's deadline, each next one within ``gap``
+    seconds of the last (an agent's long answer that keeps streaming is not cut; a stream
+    that stalls is)."""
     chunks = upstream.aiter_raw()
+    deadline = lease.deadline
     try:
         while True:
             try:
-                async with until(lease.deadline):  # per chunk: never around a yield
+                async with until(deadline):  # per chunk: never around a yield
                     chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 break
             yield chunk
+            deadline = time.monotonic() + gap
     except (asyncio.TimeoutError, TimeoutError):
         err = timeout_error(lease.name)
         log.warning("%s: %s", lease.name, err.message)
@@ -363,7 +370,7 @@ async def _relay(lease: Lease, upstream: Any, path: str) -> AsyncIterator[bytes]
         lease.release()
 
 
-async def _stream_after_load(acquire: Any, target: tuple, keepalive: float
+async def _stream_after_load(acquire: Any, target: tuple, keepalive: float, gap: float
                              ) -> AsyncIterator[bytes]:
     """A stream whose model is not loaded yet: keep-alive comments, then the answer."""
     path = target[1]
@@ -397,7 +404,7 @@ async def _stream_after_load(acquire: Any, target: tuple, keepalive: float
         lease.release()
         yield _in_band(body, upstream.status_code, path).encode()
         return
-    async for chunk in _relay(lease, upstream, path):
+    async for chunk in _relay(lease, upstream, path, gap):
         yield chunk
 
 
