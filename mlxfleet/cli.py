@@ -232,6 +232,18 @@ def _add_server_commands(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--completions", action="store_true", help="use /v1/completions")
     b.add_argument("--json", action="store_true", help="print the report as JSON")
+    la = sub.add_parser("launch", help="start an agent client (claude, codex, opencode) "
+                        "pointed at this server", description="Start Claude Code, Codex or "
+                        "opencode with what it needs to use this server (its base URL, a "
+                        "key, a model), as `ollama launch` does; nothing is written into "
+                        "their own config files. Arguments after -- go to the client: "
+                        "mlxfleet launch claude -- -p 'hello'.")
+    la.add_argument("client", choices=["claude", "codex", "opencode"])
+    la.add_argument("--model", default=None, help="the model name the client sends (default: "
+                    "one the bundled manifests alias: claude-sonnet-4-5, gpt-5.5, default)")
+    la.add_argument("--print", action="store_true", help="print the settings and the "
+                    "command instead of starting the client")
+    la.add_argument("--server", default=None, help="gateway URL")
     v = sub.add_parser("validate", help="check manifest files without a server")
     v.add_argument("paths", nargs="+")
     sub.add_parser("schema", help="print the manifest JSON Schema")
@@ -587,6 +599,29 @@ def _run_bench(args) -> int:
     return 1 if s["errors"] == n else 0
 
 
+def _run_launch(args) -> int:
+    from .launch import plan, run
+
+    config_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "mlxfleet" / "launch"
+    launch = plan(args.client, _server_url(args), _cli_client_key(), args.model, args.extra,
+                  config_dir)
+    if args.print:
+        print(launch.shell())
+        return 0
+    return run(launch)
+
+
+def _cli_client_key() -> str:
+    """The key a client sends: a client key (an admin key only when no client key is set:
+    agents do not need to change models)."""
+    for var in ("MLXFLEET_API_KEY", "MLXFLEET_ADMIN_KEY"):
+        key = os.environ.get(var, "").split(",")[0].strip()
+        if key:
+            return key
+    return ""
+
+
 def _run_validate(args) -> int:
     from .manifest import load_paths
 
@@ -681,7 +716,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("source", help="builtin:tiny, builtin:tiny-10m, builtin:tiny-50m, "
                    "builtin:demo")
     p.add_argument("dir", help="output directory")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tail: list[str] = []
+    if "launch" in argv and "--" in argv:  # the client's own arguments, untouched
+        cut = argv.index("--")
+        argv, tail = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    args.extra = tail
     quiet = args.command not in ("serve", "worker")  # client commands print, not log
     logging.basicConfig(level="WARNING" if quiet else args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -690,7 +731,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
                 "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
-                "schema": _run_schema, "service": _run_service, "mcp": _run_mcp}
+                "schema": _run_schema, "service": _run_service, "mcp": _run_mcp,
+                "launch": _run_launch}
     return commands[args.command](args)
 
 

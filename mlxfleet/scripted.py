@@ -19,7 +19,8 @@ The script is JSON: ``{"rules": [{"when": REGEX, "say": TEXT}, ...], "otherwise"
 wins); ``say`` may use the match's groups as ``\\g<name>`` or ``\\g<1>`` (nothing else in
 it is an escape). It comes from the file
 named by ``MLXFLEET_SCRIPT`` in the worker's environment (a manifest's ``spec.env``), else
-the checkpoint's ``config.json``. Not for answering people: it knows only its script.
+a ``script`` in the checkpoint's ``config.json``, else ``DEFAULT_SCRIPT`` (which says it is
+a placeholder and how to use a real model). Not for answering people: it knows only its script.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ DEFAULT_SCRIPT = {
     "rules": [{"when": r"<tool_response>\s*(?P<result>.*?)\s*</tool_response>\s*<\|im_end\|>"
                        r"\s*<\|im_start\|>assistant\n$",
                "say": "The tool answered: \\g<result>"}],
-    "otherwise": "I am a scripted test model: my script has no answer for this.",
+    "otherwise": ("This is mlxfleet's placeholder for agent clients: a scripted model, "
+                  "not a language model. Point its manifest's `source` at a real model "
+                  "(for example mlx-community/Qwen3-Coder-30B-A3B-Instruct-4bit) and keep "
+                  "its aliases; see docs/integrations.md."),
 }
 
 
@@ -169,7 +173,7 @@ def write_scripted(out_dir, tok, ids: dict[str, int], context: int) -> None:
     config = {"model_type": MODEL_TYPE, "vocab_size": tok.get_vocab_size(),
               "max_position_embeddings": context, "num_hidden_layers": 1,
               "num_key_value_heads": 1, "head_dim": 1, "hidden_size": 1,
-              "eos_token_id": eos, "torch_dtype": "float32", "script": DEFAULT_SCRIPT,
+              "eos_token_id": eos, "torch_dtype": "float32",
               "mlxfleet": {"builtin": "scripted"}}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "tokenizer_config.json").write_text(

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,52 @@ def test_ollama_client_streams_a_tool_round_trip(fleet):
     text = "".join(part.message.content or "" for part in client.chat(
         model="scripted", messages=messages, tools=[READ_SECRET], stream=True))
     assert text == "The secret word is kiwi."
+
+
+# ---- out of the box: the bundled manifests and `mlxfleet launch` ----------------
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    """``mlxfleet serve`` on the repository's own manifests folder (a copy)."""
+    root = tmp_path_factory.mktemp("bundled")
+    f = Fleet(root)
+    for p in sorted((Path(__file__).resolve().parent.parent / "manifests").glob("*.yaml")):
+        f.write(p.name, p.read_text())
+    f.start()
+    yield f
+    f.stop()
+
+
+def test_mlxfleet_launch_starts_claude_code_on_the_bundled_manifests(bundled, tmp_path):
+    claude = client("claude")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**bundled.env, "HOME": str(home), "DISABLE_TELEMETRY": "1",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+           "PATH": f"{Path(claude).parent}:{os.environ['PATH']}"}
+    printed = subprocess.run([sys.executable, "-m", "mlxfleet", "launch", "claude", "--print"],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert f"export ANTHROPIC_BASE_URL={bundled.url}" in printed.stdout
+    out = subprocess.run([sys.executable, "-m", "mlxfleet", "launch", "claude", "--",
+                          "-p", "hello", "--output-format", "json"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], bundled.logs())
+    result = json.loads(out.stdout)
+    assert "placeholder for agent clients" in result["result"], result  # claude-* -> agents
+    assert result["modelUsage"]  # the client's own accounting: it really ran
+
+
+def test_the_bundled_manifests_answer_what_clients_ask_for(bundled):
+    import httpx
+    import openai
+
+    models = {m["id"]: m for m in httpx.get(bundled.url + "/v1/models").json()["data"]}
+    assert {"agents", "demo", "embed", "default", "text-embedding-3-small"} <= set(models)
+    show = httpx.post(bundled.url + "/api/show", json={"model": "claude-opus-4-1"}).json()
+    assert show["model_info"][f"{show['model_info']['general.architecture']}.context_length"] \
+        >= 128_000
+    client = openai.OpenAI(base_url=bundled.url + "/v1", api_key="unused", max_retries=0)
+    emb = client.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+    assert client.models.retrieve("gpt-5.5").model_extra["root"] == "agents"
