@@ -417,32 +417,3 @@ def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:
             "cache_hit_type": g.cache_hit, "cached_tokens": g.cached_tokens,
             "prompt_tokens": pipe.prompt_tokens, "generated_tokens": g.generated,
             "max_tokens": max_tokens, "elapsed_s": round(now_ - g.submitted_at, 3)}
-
-
-def create_app(engine: Engine) -> Quart:
-    """Build the Quart app serving ``engine`` over the OpenAI and Anthropic APIs."""
-    from .anthropic import register_anthropic
-    from .ollama import register_ollama
-    from .openai_api import register_openai
-    from .responses import register_responses
-
-    app = Quart("mlxfleet.worker")
-    worker = Worker(engine)
-    common_routes(app, worker.name, "generate", engine, worker.status)
-    register_openai(app, worker)
-    register_anthropic(app, worker)
-    register_ollama(app, worker)
-    register_responses(app, worker)
-
-    @app.after_request
-    async def _reply_headers(response):
-        """Notices about how a request was served (a clamped max_tokens, ...)."""
-        for k, v in getattr(g, "reply_headers", {}).items():
-            response.headers[k] = v
-        return response
-
-    @app.before_serving
-    async def _warm():
-        app.warming = asyncio.get_running_loop().create_task(worker.warm())
-
-    return app

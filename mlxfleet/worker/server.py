@@ -35,7 +35,7 @@ async def serve_worker(config: WorkerConfig, bind: str,
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from .app import create_app
+    from .routes import create_app
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
