@@ -18,7 +18,7 @@ from ..wire import APIError, parse_model
 from .app import Worker
 from .images import ImageRef, anthropic_image
 from .parsers import call_id
-from .pipeline import ChoiceResult, Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
+from .pipeline import Done, Finish, Pipeline, ReasoningDelta, TextDelta, ToolCall
 from .prompts import GenRequest
 
 
@@ -219,74 +219,105 @@ def _tool_id(call: ToolCall) -> str:
     return "toolu_" + call.id.split("_", 1)[-1]
 
 
+class MessageFold:
+    """Anthropic's answer as one fold over the pipeline's events: ``start()`` and each
+    ``feed(batch)`` give the stream's SSE text, and ``message()`` is the non-streamed
+    answer, built from the same blocks in the same order, so the two cannot differ."""
+
+    def __init__(self, mid: str, model: str, prompt_tokens: int):
+        self.mid, self.model, self.prompt_tokens = mid, model, prompt_tokens
+        self.blocks: list[dict[str, Any]] = []
+        self._open: Optional[str] = None  # the kind of the text/thinking block being written
+        self._calls = 0
+        self._finish: Optional[Finish] = None
+        self._usage: dict[str, Any] = {}
+
+    def start(self) -> str:
+        return _event("message_start", {"message": {
+            "id": self.mid, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}}) \
+            + _event("ping", {})
+
+    def _close(self) -> list[str]:
+        if not self._open:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"index": len(self.blocks) - 1})]
+
+    def feed(self, batch: list) -> str:
+        out: list[str] = []
+        for ev in batch:
+            if isinstance(ev, ToolCall):
+                out += self._close()
+                self._calls += 1
+                index = len(self.blocks)
+                self.blocks.append({"type": "tool_use", "id": _tool_id(ev), "name": ev.name,
+                                    "input": ev.arguments})
+                out.append(_event("content_block_start", {"index": index, "content_block": {
+                    "type": "tool_use", "id": _tool_id(ev), "name": ev.name, "input": {}}}))
+                out.append(_event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": ev.arguments_json}}))
+                out.append(_event("content_block_stop", {"index": index}))
+            elif isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
+                kind = "thinking" if isinstance(ev, ReasoningDelta) else "text"
+                if self._open != kind:
+                    out += self._close()
+                    self._open = kind
+                    empty = {"type": "text", "text": ""} if kind == "text" else \
+                        {"type": "thinking", "thinking": "", "signature": ""}
+                    self.blocks.append(dict(empty))
+                    out.append(_event("content_block_start", {
+                        "index": len(self.blocks) - 1, "content_block": empty}))
+                self.blocks[-1][kind] += ev.text
+                delta = {"type": "text_delta", "text": ev.text} if kind == "text" \
+                    else {"type": "thinking_delta", "thinking": ev.text}
+                out.append(_event("content_block_delta", {"index": len(self.blocks) - 1,
+                                                          "delta": delta}))
+            elif isinstance(ev, Finish):
+                self._finish = ev
+            elif isinstance(ev, Done):
+                out += self._close()
+                self._usage = ev.usage
+                reason, seq = _stop_reason(self._finish, self._calls > 0)
+                out.append(_event("message_delta", {
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": {"output_tokens": self._output_tokens}}))
+                out.append(_event("message_stop", {}))
+        return "".join(out)
+
+    @property
+    def _output_tokens(self) -> int:
+        return int(self._usage.get("completion_tokens", 0))
+
+    def message(self) -> dict[str, Any]:
+        reason, seq = _stop_reason(self._finish, self._calls > 0)
+        cached = (self._usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks, "stop_reason": reason, "stop_sequence": seq,
+                "usage": {"input_tokens": self.prompt_tokens,
+                          "output_tokens": self._output_tokens,
+                          "cache_read_input_tokens": cached}}
+
+
 def register_anthropic(app: Quart, worker: Worker) -> None:
     name = worker.name
 
     @app.post("/v1/messages")
     async def messages():
         req, pipe = await worker.begin(messages_request)
-        mid = f"msg_{call_id().split('_', 1)[-1]}"
+        fold = MessageFold(f"msg_{call_id().split('_', 1)[-1]}", name, pipe.prompt_tokens)
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, mid))
-        r: ChoiceResult = (await worker.collect(pipe))[0]
-        content: list[dict[str, Any]] = []
-        if r.reasoning:
-            content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
-        if r.text:
-            content.append({"type": "text", "text": r.text})
-        for c in r.calls:
-            content.append({"type": "tool_use", "id": _tool_id(c), "name": c.name,
-                            "input": c.arguments})
-        reason, seq = _stop_reason(r.finish, bool(r.calls))
-        return {"id": mid, "type": "message", "role": "assistant", "model": name,
-                "content": content, "stop_reason": reason, "stop_sequence": seq,
-                "usage": _usage(pipe)}
+            return worker.stream(pipe, _stream(pipe, fold))
+        await worker.fold(pipe, fold.feed)
+        return fold.message()
 
-    async def _stream(pipe: Pipeline, mid: str):
-        yield _event("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": name, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": pipe.prompt_tokens, "output_tokens": 0}}})
-        yield _event("ping", {})
-        index, open_kind, calls, finish = -1, None, 0, None
+    async def _stream(pipe: Pipeline, fold: MessageFold):
+        yield fold.start()
         async for batch in pipe.events():
-            out = []
-            for ev in batch:
-                if isinstance(ev, ToolCall):
-                    if open_kind:
-                        out.append(_event("content_block_stop", {"index": index}))
-                    index, open_kind, calls = index + 1, None, calls + 1
-                    out.append(_event("content_block_start", {"index": index,
-                               "content_block": {"type": "tool_use", "id": _tool_id(ev),
-                                                 "name": ev.name, "input": {}}}))
-                    out.append(_event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": ev.arguments_json}}))
-                    out.append(_event("content_block_stop", {"index": index}))
-                elif isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
-                    block = "thinking" if isinstance(ev, ReasoningDelta) else "text"
-                    if open_kind != block:
-                        if open_kind:
-                            out.append(_event("content_block_stop", {"index": index}))
-                        index, open_kind = index + 1, block
-                        out.append(_event("content_block_start", {
-                            "index": index, "content_block": {"type": "text", "text": ""}
-                            if block == "text" else {"type": "thinking", "thinking": "",
-                                                     "signature": ""}}))
-                    delta = {"type": "text_delta", "text": ev.text} if block == "text" \
-                        else {"type": "thinking_delta", "thinking": ev.text}
-                    out.append(_event("content_block_delta", {"index": index, "delta": delta}))
-                elif isinstance(ev, Finish):
-                    finish = ev
-                elif isinstance(ev, Done):
-                    if open_kind:
-                        out.append(_event("content_block_stop", {"index": index}))
-                    reason, seq = _stop_reason(finish, calls > 0)
-                    out.append(_event("message_delta", {
-                        "delta": {"stop_reason": reason, "stop_sequence": seq},
-                        "usage": {"output_tokens": pipe.completion_tokens}}))
-                    out.append(_event("message_stop", {}))
-            if out:
-                yield "".join(out)
+            text = fold.feed(batch)
+            if text:
+                yield text
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens():
@@ -298,8 +329,3 @@ def register_anthropic(app: Quart, worker: Worker) -> None:
         images: list[ImageRef] = []
         chat = GenRequest(messages=_messages(req, images), images=images, tools=_tools(req))
         return {"input_tokens": await worker.count_tokens(chat)}
-
-
-def _usage(pipe: Pipeline) -> dict[str, int]:
-    return {"input_tokens": pipe.prompt_tokens, "output_tokens": pipe.completion_tokens,
-            "cache_read_input_tokens": pipe.gen.cached_tokens}

@@ -337,6 +337,14 @@ class Worker:
                  pipe.completion_tokens, time.monotonic() - g.submitted_at,
                  f"{ttft:.3f}s" if ttft is not None else "-")
 
+    async def fold(self, pipe: Pipeline, feed: Callable[[list], Any]) -> None:
+        """A non-streamed answer as the stream's fold: every event batch to ``feed``."""
+        try:
+            async for batch in pipe.events():
+                feed(batch)
+        finally:
+            self.finished(pipe)
+
     async def collect(self, pipe: Pipeline):
         """A non-streaming answer: run to the end."""
         try:
