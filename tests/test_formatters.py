@@ -100,3 +100,51 @@ def test_anthropic_block_order_and_shapes():
         fold.feed(batch)
     assert (fold.message()["stop_reason"], fold.message()["stop_sequence"]) == \
         ("stop_sequence", "END")
+
+
+def responses_fold(custom: bool = False):
+    from mlxfleet.worker.responses import ResponseFold, ResponsesRequest, ToolMap, _Shell
+
+    tmap = ToolMap(custom={"apply_patch": "start: ..."} if custom else {})
+    return ResponseFold(_Shell(ResponsesRequest(model="m", input="x"), "m"), tmap)
+
+
+def replay_responses(events: list[tuple[str, dict]]) -> list[dict]:
+    """The output items as a streaming client assembles them from the item events."""
+    items: dict[int, dict] = {}
+    seqs = [data["sequence_number"] for _, data in events]
+    assert seqs == list(range(len(events)))  # numbered in order, from 0
+    for kind, data in events:
+        if kind == "response.output_item.done":
+            items[data["output_index"]] = data["item"]
+    return [items[i] for i in sorted(items)]
+
+
+PATCH = ToolCall(0, 0, "call_p", "apply_patch", {"input": "*** Begin Patch\n*** End Patch\n"})
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_responses_stream_and_response_are_one_fold(name):
+    fold = responses_fold()
+    text = fold.start() + "".join(fold.feed(batch) for batch in CASES[name])
+    events = sse(text)
+    assert events[0][0] == "response.created" and events[-1][0] in (
+        "response.completed", "response.incomplete")
+    final = fold.final
+    assert replay_responses(events) == final["output"]
+    assert events[-1][1]["response"] == final
+    assert final["usage"]["output_tokens"] == 7
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 5
+    assert (final["status"] == "incomplete") == (name == "text only, length")
+    if name == "empty answer":
+        assert [i["type"] for i in final["output"]] == ["message"]
+
+
+def test_responses_freeform_calls_are_custom_tool_call_items():
+    fold = responses_fold(custom=True)
+    text = fold.start() + fold.feed([PATCH, Finish(0, "tool_calls")]) + fold.feed([DONE])
+    kinds = [k for k, _ in sse(text)]
+    assert "response.custom_tool_call_input.done" in kinds
+    assert "response.function_call_arguments.done" not in kinds
+    (item,) = fold.final["output"]
+    assert item["type"] == "custom_tool_call" and item["input"].startswith("*** Begin Patch")

@@ -25,7 +25,6 @@ from .app import Worker
 from .images import ImageRef, openai_image
 from .parsers import call_id
 from .pipeline import (
-    ChoiceResult,
     Done,
     Finish,
     Pipeline,
@@ -355,20 +354,138 @@ class _Shell:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": req.top_p, "truncation": "disabled", "user": req.user}
 
-    def response(self, status: str, output: list, pipe: Optional[Pipeline] = None,
+    def response(self, status: str, output: list, usage: Optional[dict[str, Any]] = None,
                  finish: Optional[Finish] = None) -> dict[str, Any]:
+        """The response object; ``usage`` is the pipeline's (OpenAI's shape)."""
         r = {**self.fields, "status": status, "output": output, "usage": None}
         if finish is not None and finish.reason == "length" and status != "in_progress":
             r["status"] = "incomplete"
             r["incomplete_details"] = {"reason": "max_output_tokens"}
-        if pipe is not None and status != "in_progress":
+        if usage is not None and status != "in_progress":
             r["usage"] = {
-                "input_tokens": pipe.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": pipe.gen.cached_tokens},
-                "output_tokens": pipe.completion_tokens,
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": pipe.prompt_tokens + pipe.completion_tokens}
+                "total_tokens": usage["total_tokens"]}
         return r
+
+
+class ResponseFold:
+    """The Responses answer as one fold over the pipeline's events: ``start()`` and each
+    ``feed(batch)`` give the stream's events, and ``final`` (set by the last batch) is
+    the non-streamed response: the same items in the same order."""
+
+    def __init__(self, shell: _Shell, tmap: ToolMap):
+        self.shell, self.tmap = shell, tmap
+        self.output: list[dict[str, Any]] = []
+        self.final: Optional[dict[str, Any]] = None
+        self._seq = 0
+        self._open: Optional[dict[str, Any]] = None  # the reasoning or message being written
+        self._parts: list[str] = []
+        self._finish: Optional[Finish] = None
+
+    def _event(self, kind: str, **data: Any) -> str:
+        self._seq += 1
+        payload = json.dumps({"type": kind, "sequence_number": self._seq - 1, **data},
+                             ensure_ascii=False)
+        return f"event: {kind}\ndata: {payload}\n\n"
+
+    def start(self) -> str:
+        return self._event("response.created", response=self.shell.response("in_progress", [])) \
+            + self._event("response.in_progress",
+                          response=self.shell.response("in_progress", []))
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        item, idx, text = self._open, len(self.output), "".join(self._parts)
+        ev = self._event
+        out = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out.append(ev("response.output_text.done", item_id=item["id"], output_index=idx,
+                          content_index=0, text=text, logprobs=[]))
+            out.append(ev("response.content_part.done", item_id=item["id"],
+                          output_index=idx, content_index=0, part=part))
+            done = _message_item(item["id"], text)
+        else:
+            out.append(ev("response.reasoning_summary_text.done", item_id=item["id"],
+                          output_index=idx, summary_index=0, text=text))
+            out.append(ev("response.reasoning_summary_part.done", item_id=item["id"],
+                          output_index=idx, summary_index=0,
+                          part={"type": "summary_text", "text": text}))
+            done = _reasoning_item(item["id"], text)
+        out.append(ev("response.output_item.done", output_index=idx, item=done))
+        self.output.append(done)
+        self._open = None
+        self._parts.clear()
+        return out
+
+    def _begin(self, kind: str) -> list[str]:
+        idx, ev = len(self.output), self._event
+        if kind == "message":
+            self._open = item = _message_item(_item_id("msg"), "", "in_progress")
+            return [ev("response.output_item.added", output_index=idx, item=item),
+                    ev("response.content_part.added", item_id=item["id"], output_index=idx,
+                       content_index=0, part={"type": "output_text", "text": "",
+                                              "annotations": [], "logprobs": []})]
+        self._open = item = _reasoning_item(_item_id("rs"), "", "in_progress")
+        return [ev("response.output_item.added", output_index=idx, item=item),
+                ev("response.reasoning_summary_part.added", item_id=item["id"],
+                   output_index=idx, summary_index=0,
+                   part={"type": "summary_text", "text": ""})]
+
+    def _call(self, call: ToolCall) -> list[str]:
+        idx, ev = len(self.output), self._event
+        item, done = _call_item(call, self.tmap, "in_progress"), _call_item(call, self.tmap)
+        out = [ev("response.output_item.added", output_index=idx, item=item)]
+        if done["type"] == "custom_tool_call":
+            out.append(ev("response.custom_tool_call_input.delta", item_id=item["id"],
+                          output_index=idx, delta=done["input"]))
+            out.append(ev("response.custom_tool_call_input.done", item_id=item["id"],
+                          output_index=idx, input=done["input"]))
+        else:
+            out.append(ev("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=idx, delta=call.arguments_json))
+            out.append(ev("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=idx, arguments=call.arguments_json))
+        out.append(ev("response.output_item.done", output_index=idx, item=done))
+        self.output.append(done)
+        return out
+
+    def feed(self, batch: list) -> str:
+        out: list[str] = []
+        for e in batch:
+            if isinstance(e, (TextDelta, ReasoningDelta)) and e.text:
+                kind = "message" if isinstance(e, TextDelta) else "reasoning"
+                if self._open is None or self._open["type"] != kind:
+                    out += self._close() + self._begin(kind)
+                self._parts.append(e.text)
+                item, idx = self._open, len(self.output)
+                if kind == "message":
+                    out.append(self._event("response.output_text.delta", item_id=item["id"],
+                                           output_index=idx, content_index=0, delta=e.text,
+                                           logprobs=[]))
+                else:
+                    out.append(self._event("response.reasoning_summary_text.delta",
+                                           item_id=item["id"], output_index=idx,
+                                           summary_index=0, delta=e.text))
+            elif isinstance(e, ToolCall):
+                out += self._close() + self._call(e)
+            elif isinstance(e, Finish):
+                self._finish = e
+            elif isinstance(e, Done):
+                if not self.output and self._open is None:
+                    out += self._begin("message")  # an empty answer is still a message
+                out += self._close()
+                self.final = self.shell.response("completed", self.output, e.usage,
+                                                 self._finish)
+                kind = "response.completed" if self.final["status"] == "completed" \
+                    else "response.incomplete"
+                out.append(self._event(kind, response=self.final))
+        return "".join(out)
 
 
 def register_responses(app: Quart, worker: Worker) -> None:
@@ -378,129 +495,19 @@ def register_responses(app: Quart, worker: Worker) -> None:
     async def create():
         parsed: list = []
         req, pipe = await worker.begin(lambda body: responses_request(body, parsed))
-        shell, tmap = _Shell(parsed[0], name), parsed[1]
+        tmap = parsed[1]
+        fold = ResponseFold(_Shell(parsed[0], name), tmap)
         if tmap.dropped:
             log.info("left out tools this server cannot run: %s", ", ".join(tmap.dropped))
             pipe.headers[DROPPED_TOOLS_HEADER] = ", ".join(tmap.dropped)
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, shell, tmap))
-        r: ChoiceResult = (await worker.collect(pipe))[0]
-        output = []
-        if r.reasoning:
-            output.append(_reasoning_item(_item_id("rs"), r.reasoning))
-        if r.text or not r.calls:
-            output.append(_message_item(_item_id("msg"), r.text))
-        output.extend(_call_item(c, tmap) for c in r.calls)
-        return shell.response("completed", output, pipe, r.finish)
+            return worker.stream(pipe, _stream(pipe, fold))
+        await worker.fold(pipe, fold.feed)
+        return fold.final
 
-    async def _stream(pipe: Pipeline, shell: _Shell, tmap: ToolMap):
-        seq = 0
-        output: list[dict[str, Any]] = []
-        open_item: Optional[dict[str, Any]] = None  # the reasoning or message item being written
-        parts: list[str] = []
-        finish: Optional[Finish] = None
-
-        def event(kind: str, **data: Any) -> str:
-            nonlocal seq
-            seq += 1
-            payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data},
-                                 ensure_ascii=False)
-            return f"event: {kind}\ndata: {payload}\n\n"
-
-        def close() -> list[str]:
-            nonlocal open_item
-            if open_item is None:
-                return []
-            item, idx, text = open_item, len(output), "".join(parts)
-            out = []
-            if item["type"] == "message":
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                out.append(event("response.output_text.done", item_id=item["id"],
-                                 output_index=idx, content_index=0, text=text, logprobs=[]))
-                out.append(event("response.content_part.done", item_id=item["id"],
-                                 output_index=idx, content_index=0, part=part))
-                done = _message_item(item["id"], text)
-            else:
-                out.append(event("response.reasoning_summary_text.done", item_id=item["id"],
-                                 output_index=idx, summary_index=0, text=text))
-                out.append(event("response.reasoning_summary_part.done", item_id=item["id"],
-                                 output_index=idx, summary_index=0,
-                                 part={"type": "summary_text", "text": text}))
-                done = _reasoning_item(item["id"], text)
-            out.append(event("response.output_item.done", output_index=idx, item=done))
-            output.append(done)
-            open_item = None
-            parts.clear()
-            return out
-
-        def open_(kind: str) -> list[str]:
-            nonlocal open_item
-            idx = len(output)
-            if kind == "message":
-                open_item = _message_item(_item_id("msg"), "", "in_progress")
-                return [event("response.output_item.added", output_index=idx,
-                              item=open_item),
-                        event("response.content_part.added", item_id=open_item["id"],
-                              output_index=idx, content_index=0,
-                              part={"type": "output_text", "text": "", "annotations": [],
-                                    "logprobs": []})]
-            open_item = _reasoning_item(_item_id("rs"), "", "in_progress")
-            return [event("response.output_item.added", output_index=idx, item=open_item),
-                    event("response.reasoning_summary_part.added", item_id=open_item["id"],
-                          output_index=idx, summary_index=0,
-                          part={"type": "summary_text", "text": ""})]
-
-        yield event("response.created", response=shell.response("in_progress", []))
-        yield event("response.in_progress", response=shell.response("in_progress", []))
+    async def _stream(pipe: Pipeline, fold: ResponseFold):
+        yield fold.start()
         async for batch in pipe.events():
-            out: list[str] = []
-            for ev in batch:
-                if isinstance(ev, (TextDelta, ReasoningDelta)) and ev.text:
-                    kind = "message" if isinstance(ev, TextDelta) else "reasoning"
-                    if open_item is None or open_item["type"] != kind:
-                        out += close() + open_(kind)
-                    parts.append(ev.text)
-                    idx = len(output)
-                    if kind == "message":
-                        out.append(event("response.output_text.delta",
-                                         item_id=open_item["id"], output_index=idx,
-                                         content_index=0, delta=ev.text, logprobs=[]))
-                    else:
-                        out.append(event("response.reasoning_summary_text.delta",
-                                         item_id=open_item["id"], output_index=idx,
-                                         summary_index=0, delta=ev.text))
-                elif isinstance(ev, ToolCall):
-                    out += close()
-                    idx = len(output)
-                    item, done = _call_item(ev, tmap, "in_progress"), _call_item(ev, tmap)
-                    out.append(event("response.output_item.added", output_index=idx,
-                                     item=item))
-                    if done["type"] == "custom_tool_call":
-                        out.append(event("response.custom_tool_call_input.delta",
-                                         item_id=item["id"], output_index=idx,
-                                         delta=done["input"]))
-                        out.append(event("response.custom_tool_call_input.done",
-                                         item_id=item["id"], output_index=idx,
-                                         input=done["input"]))
-                    else:
-                        out.append(event("response.function_call_arguments.delta",
-                                         item_id=item["id"], output_index=idx,
-                                         delta=ev.arguments_json))
-                        out.append(event("response.function_call_arguments.done",
-                                         item_id=item["id"], output_index=idx,
-                                         arguments=ev.arguments_json))
-                    out.append(event("response.output_item.done", output_index=idx,
-                                     item=done))
-                    output.append(done)
-                elif isinstance(ev, Finish):
-                    finish = ev
-                elif isinstance(ev, Done):
-                    if not output and open_item is None:
-                        out += open_("message")  # an empty answer is still a message
-                    out += close()
-                    final = shell.response("completed", output, pipe, finish)
-                    kind = "response.completed" if final["status"] == "completed" \
-                        else "response.incomplete"
-                    out.append(event(kind, response=final))
-            if out:
-                yield "".join(out)
+            text = fold.feed(batch)
+            if text:
+                yield text
