@@ -148,3 +148,49 @@ def test_responses_freeform_calls_are_custom_tool_call_items():
     assert "response.function_call_arguments.done" not in kinds
     (item,) = fold.final["output"]
     assert item["type"] == "custom_tool_call" and item["input"].startswith("*** Begin Patch")
+
+
+def replay_chat(text: str) -> tuple[dict[int, dict], dict | None]:
+    """Chat chunks as a client accumulates them: per choice, content, reasoning, tool
+    calls (by their index) and finish reason; and the usage chunk."""
+    assert text.endswith("data: [DONE]\n\n")
+    got: dict[int, dict] = {}
+    use = None
+    for line in text.split("\n\n"):
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if not chunk["choices"]:
+            use = chunk["usage"]
+        for c in chunk["choices"]:
+            ch = got.setdefault(c["index"], {"content": "", "reasoning": "", "calls": {},
+                                             "finish": None})
+            d = c["delta"]
+            ch["content"] += d.get("content") or ""
+            ch["reasoning"] += d.get("reasoning") or ""
+            for call in d.get("tool_calls") or []:
+                ch["calls"][call["index"]] = call["function"]
+            ch["finish"] = c["finish_reason"] or ch["finish"]
+    return got, use
+
+
+@pytest.mark.parametrize("name", [*CASES, "two choices"])
+def test_chat_stream_and_completion_are_one_fold(name):
+    from mlxfleet.worker.openai_api import ChatFold
+
+    batches = CASES.get(name) or [
+        [TextDelta(0, "a"), TextDelta(1, "b")], [CALL, TextDelta(1, "c")],
+        [Finish(0, "tool_calls"), Finish(1, "stop")], [DONE]]
+    n = 2 if name == "two choices" else 1
+    fold = ChatFold("chatcmpl-1", 1, "m", n, include_usage=True)
+    text = fold.start() + "".join(fold.feed(b) for b in batches) + "data: [DONE]\n\n"
+    streamed, use = replay_chat(text)
+    done = fold.completion()
+    assert use == done["usage"] and done["usage"]["completion_tokens"] == 7
+    for choice in done["choices"]:
+        s, m = streamed[choice["index"]], choice["message"]
+        assert s["content"] == (m["content"] or "")
+        assert s["reasoning"] == m.get("reasoning", "")
+        assert [s["calls"][i] for i in sorted(s["calls"])] == \
+            [c["function"] for c in m.get("tool_calls", [])]
+        assert s["finish"] == choice["finish_reason"]

@@ -155,6 +155,76 @@ def completion_logprobs(tok: Any, events: list, offset: int = 0) -> dict[str, An
             "text_offset": offsets}
 
 
+class ChatFold:
+    """A chat completion as one fold over the pipeline's events: ``start()`` and each
+    ``feed(batch)`` give the stream's chunks, and ``completion()`` is the non-streamed
+    answer built from the same deltas, so the two cannot differ. ``tok`` (the tokenizer)
+    is given when logprobs were asked for."""
+
+    def __init__(self, rid: str, created: int, model: str, n: int, tok: Any = None,
+                 include_usage: bool = False):
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                     "model": model}
+        self.n, self.tok, self.include_usage = n, tok, include_usage
+        self.choices = [{"content": "", "reasoning": "", "calls": [], "logprobs": [],
+                         "finish": None} for _ in range(n)]
+        self.usage: Optional[dict[str, Any]] = None
+
+    def _chunk(self, index: int, delta: dict, finish: Optional[str] = None,
+               logprobs: Any = None) -> str:
+        extra = {"usage": None} if self.include_usage else {}
+        return sse({**self.base, "choices": [{"index": index, "delta": delta,
+                                              "logprobs": logprobs,
+                                              "finish_reason": finish}], **extra})
+
+    def start(self) -> str:
+        return "".join(self._chunk(i, {"role": "assistant", "content": ""})
+                       for i in range(self.n))
+
+    def feed(self, batch: list) -> str:
+        out = []
+        for ev in batch:
+            ch = self.choices[ev.index] if not isinstance(ev, Done) else None
+            if isinstance(ev, TextDelta):
+                ch["content"] += ev.text
+                lp = None
+                if self.tok is not None and ev.logprobs:
+                    ch["logprobs"] += ev.logprobs
+                    lp = chat_logprobs(self.tok, ev.logprobs)
+                out.append(self._chunk(ev.index, {"content": ev.text}, None, lp))
+            elif isinstance(ev, ReasoningDelta):
+                ch["reasoning"] += ev.text
+                out.append(self._chunk(ev.index, {"reasoning": ev.text,
+                                                  "reasoning_content": ev.text}))
+            elif isinstance(ev, ToolCall):
+                ch["calls"].append(ev)
+                out.append(self._chunk(ev.index, {"tool_calls": [tool_call_json(ev, True)]}))
+            elif isinstance(ev, Finish):
+                ch["finish"] = ev.reason
+                out.append(self._chunk(ev.index, {}, ev.reason))
+            elif isinstance(ev, Done):
+                self.usage = ev.usage
+                if self.include_usage:
+                    out.append(sse({**self.base, "choices": [], "usage": ev.usage}))
+        return "".join(out)
+
+    def completion(self) -> dict[str, Any]:
+        choices = []
+        for i, ch in enumerate(self.choices):
+            msg: dict[str, Any] = {"role": "assistant", "refusal": None,
+                                   "content": ch["content"] if ch["content"] or not ch["calls"]
+                                   else None}
+            if ch["reasoning"]:
+                msg["reasoning"] = msg["reasoning_content"] = ch["reasoning"]
+            if ch["calls"]:
+                msg["tool_calls"] = [tool_call_json(c) for c in ch["calls"]]
+            choices.append({"index": i, "message": msg, "finish_reason": ch["finish"],
+                            "logprobs": chat_logprobs(self.tok, ch["logprobs"])
+                            if self.tok is not None else None})
+        return {**self.base, "object": "chat.completion", "choices": choices,
+                "usage": self.usage}
+
+
 def register_openai(app: Quart, worker: Worker) -> None:
     name = worker.name
 
@@ -164,59 +234,19 @@ def register_openai(app: Quart, worker: Worker) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions():
         req, pipe = await worker.begin(chat_request)
-        rid, created = new_id("chatcmpl"), now()
+        fold = ChatFold(new_id("chatcmpl"), now(), name, len(pipe.choices),
+                        tokenizer() if req.logprobs is not None else None, req.include_usage)
         if req.stream:
-            return worker.stream(pipe, _chat_stream(pipe, req, rid, created))
-        choices = []
-        for i, r in enumerate(await worker.collect(pipe)):
-            msg: dict[str, Any] = {"role": "assistant",
-                                   "content": r.text if r.text or not r.calls else None,
-                                   "refusal": None}
-            if r.reasoning:
-                msg["reasoning"] = msg["reasoning_content"] = r.reasoning
-            if r.calls:
-                msg["tool_calls"] = [tool_call_json(c) for c in r.calls]
-            choices.append({"index": i, "message": msg,
-                            "logprobs": chat_logprobs(tokenizer(), r.logprobs)
-                            if req.logprobs is not None else None,
-                            "finish_reason": r.finish.reason if r.finish else None})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": choices, "usage": pipe.usage()}
+            return worker.stream(pipe, _chat_stream(pipe, fold))
+        await worker.fold(pipe, fold.feed)
+        return fold.completion()
 
-    async def _chat_stream(pipe: Pipeline, req: GenRequest, rid: str, created: int
-                           ) -> AsyncIterator[str]:
-        include_usage = req.include_usage
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": name}
-        extra = {"usage": None} if include_usage else {}
-        tok = tokenizer()
-
-        def chunk(index: int, delta: dict, finish: Optional[str] = None,
-                  logprobs: Any = None) -> str:
-            return sse({**base, "choices": [{"index": index, "delta": delta,
-                                             "logprobs": logprobs,
-                                             "finish_reason": finish}], **extra})
-
-        yield "".join(chunk(i, {"role": "assistant", "content": ""})
-                      for i in range(len(pipe.choices)))
+    async def _chat_stream(pipe: Pipeline, fold: ChatFold) -> AsyncIterator[str]:
+        yield fold.start()
         async for batch in pipe.events():
-            out = []
-            for ev in batch:
-                if isinstance(ev, TextDelta):
-                    lp = chat_logprobs(tok, ev.logprobs) \
-                        if req.logprobs is not None and ev.logprobs else None
-                    out.append(chunk(ev.index, {"content": ev.text}, None, lp))
-                elif isinstance(ev, ReasoningDelta):
-                    out.append(chunk(ev.index, {"reasoning": ev.text,
-                                                "reasoning_content": ev.text}))
-                elif isinstance(ev, ToolCall):
-                    out.append(chunk(ev.index, {"tool_calls": [tool_call_json(ev, True)]}))
-                elif isinstance(ev, Finish):
-                    out.append(chunk(ev.index, {}, ev.reason))
-                elif isinstance(ev, Done) and include_usage:
-                    out.append(sse({**base, "choices": [], "usage": ev.usage}))
-            if out:
-                yield "".join(out)
+            text = fold.feed(batch)
+            if text:
+                yield text
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
