@@ -194,3 +194,27 @@ def test_chat_stream_and_completion_are_one_fold(name):
         assert [s["calls"][i] for i in sorted(s["calls"])] == \
             [c["function"] for c in m.get("tool_calls", [])]
         assert s["finish"] == choice["finish_reason"]
+
+
+@pytest.mark.parametrize("key", ["message", "response"])
+@pytest.mark.parametrize("name", CASES)
+def test_ollama_lines_and_answer_are_one_fold(name, key):
+    from mlxfleet.worker.ollama import OllamaFold
+
+    fold = OllamaFold("m", key, True, lambda finish: {
+        "done": True, "done_reason": "length" if finish and finish.reason == "length"
+        else "stop", "eval_count": 7})
+    lines = [json.loads(ln) for ln in "".join(fold.feed(b) for b in CASES[name]).splitlines()]
+    assert [ln["done"] for ln in lines] == [False] * (len(lines) - 1) + [True]
+    answer = fold.answer()
+    if key == "message":
+        parts = [ln["message"] for ln in lines]
+        assert "".join(p["content"] for p in parts) == answer["message"]["content"]
+        assert "".join(p.get("thinking", "") for p in parts) == \
+            answer["message"].get("thinking", "")
+        assert [c for p in parts for c in p.get("tool_calls", [])] == \
+            answer["message"].get("tool_calls", [])
+    else:
+        assert "".join(ln["response"] for ln in lines) == answer["response"]
+    assert lines[-1]["done_reason"] == answer["done_reason"]
+    assert (answer["done_reason"] == "length") == (name == "text only, length")

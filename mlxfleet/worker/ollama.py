@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, Optional, Union
 
@@ -242,6 +243,59 @@ def _final(pipe: Pipeline, finish: Optional[Finish]) -> dict[str, Any]:
             "eval_duration": int((end - first) * 1e9)}
 
 
+class OllamaFold:
+    """Ollama's answer as one fold over the pipeline's events: each ``feed(batch)`` gives
+    NDJSON lines (one per delta, then the last with the counters), and ``answer()`` is the
+    non-streamed object built from the same deltas. ``key`` is "message" (/api/chat) or
+    "response" (/api/generate); ``counters(finish)`` gives done_reason and the counts."""
+
+    def __init__(self, model: str, key: str, think: bool,
+                 counters: Callable[[Optional[Finish]], dict[str, Any]]):
+        self.model, self.key, self.think, self.counters = model, key, think, counters
+        self.text, self.thinking, self.calls = "", "", []
+        self.finish: Optional[Finish] = None
+        self.final: dict[str, Any] = {}
+
+    def _line(self, **part: Any) -> str:
+        if self.key == "message":
+            body = {"message": {"role": "assistant", "content": "", **part}}
+        else:
+            body = {"response": part.pop("content", ""), **part}
+        return _line({"model": self.model, "created_at": created_at(), **body, "done": False})
+
+    def feed(self, batch: list) -> str:
+        out = []
+        for ev in batch:
+            if isinstance(ev, TextDelta) and ev.text:
+                self.text += ev.text
+                out.append(self._line(content=ev.text))
+            elif isinstance(ev, ReasoningDelta) and ev.text and self.think:
+                self.thinking += ev.text
+                out.append(self._line(thinking=ev.text))
+            elif isinstance(ev, ToolCall) and self.key == "message":
+                self.calls.append(ev)
+                out.append(self._line(tool_calls=_calls([ev])))
+            elif isinstance(ev, Finish):
+                self.finish = ev
+            elif isinstance(ev, Done):
+                self.final = self.counters(self.finish)
+                empty = {"message": {"role": "assistant", "content": ""}} \
+                    if self.key == "message" else {"response": ""}
+                out.append(_line({"model": self.model, "created_at": created_at(), **empty,
+                                  **self.final}))
+        return "".join(out)
+
+    def answer(self) -> dict[str, Any]:
+        thinking = {"thinking": self.thinking} if self.thinking else {}
+        if self.key == "message":
+            calls = {"tool_calls": _calls(self.calls)} if self.calls else {}
+            body: dict[str, Any] = {"message": {"role": "assistant", "content": self.text,
+                                                **thinking, **calls}}
+        else:
+            body = {"response": self.text, **thinking}
+        return {"model": self.model, "created_at": created_at(), **body, **self.final}
+
+
 def register_ollama(app: Quart, worker: Worker) -> None:
     name = worker.name
 
@@ -263,18 +317,12 @@ def register_ollama(app: Quart, worker: Worker) -> None:
             parse_model(schema, raw)  # still a 400 for a malformed body
             return loaded(key)
         req, pipe = await worker.begin(to_request)
-        think = raw.get("think") is not False
+        fold = OllamaFold(name, key, raw.get("think") is not False,
+                          lambda finish: _final(pipe, finish))
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, key, think), NDJSON)
-        r = (await worker.collect(pipe))[0]
-        thinking = {"thinking": r.reasoning} if r.reasoning and think else {}
-        if key == "message":
-            calls = {"tool_calls": _calls(r.calls)} if r.calls else {}
-            body: dict[str, Any] = {"message": {"role": "assistant", "content": r.text,
-                                                **thinking, **calls}}
-        else:
-            body = {"response": r.text, **thinking}
-        return {"model": name, "created_at": created_at(), **body, **_final(pipe, r.finish)}
+            return worker.stream(pipe, _stream(pipe, fold), NDJSON)
+        await worker.fold(pipe, fold.feed)
+        return fold.answer()
 
     @app.post("/api/chat")
     async def chat():
@@ -286,33 +334,9 @@ def register_ollama(app: Quart, worker: Worker) -> None:
         return await answer("response", GenerateBody, generate_request,
                             lambda raw: bool(raw.get("prompt") or raw.get("images")))
 
-    async def _stream(pipe: Pipeline, key: str, think: bool):
+    async def _stream(pipe: Pipeline, fold: OllamaFold):
         """NDJSON lines: one per delta, then the final one with the counters."""
-        finish: Optional[Finish] = None
-
-        def line(**part: Any) -> str:
-            if key == "message":
-                body = {"message": {"role": "assistant", "content": "", **part}}
-            else:
-                body = {"response": part.pop("content", ""), **part}
-            return _line({"model": name, "created_at": created_at(), **body, "done": False})
-
         async for batch in pipe.events():
-            out = []
-            for ev in batch:
-                if isinstance(ev, TextDelta) and ev.text:
-                    out.append(line(content=ev.text))
-                elif isinstance(ev, ReasoningDelta) and ev.text and think:
-                    out.append(line(thinking=ev.text))
-                elif isinstance(ev, ToolCall) and key == "message":
-                    out.append(line(tool_calls=_calls([ev])))
-                elif isinstance(ev, Finish):
-                    finish = ev
-                elif isinstance(ev, Done):
-                    last = {"model": name, "created_at": created_at(),
-                            **({"message": {"role": "assistant", "content": ""}}
-                               if key == "message" else {"response": ""}),
-                            **_final(pipe, finish)}
-                    out.append(_line(last))
-            if out:
-                yield "".join(out)
+            text = fold.feed(batch)
+            if text:
+                yield text
