@@ -218,3 +218,26 @@ def test_ollama_lines_and_answer_are_one_fold(name, key):
         assert "".join(ln["response"] for ln in lines) == answer["response"]
     assert lines[-1]["done_reason"] == answer["done_reason"]
     assert (answer["done_reason"] == "length") == (name == "text only, length")
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_stream_and_answer_are_one_fold(echo):
+    from mlxfleet.worker.openai_api import CompletionFold
+
+    batches = [[TextDelta(0, " a"), TextDelta(1, " b")], [TextDelta(0, "c"),
+               Finish(0, "length")], [Finish(1, "stop")], [DONE]]
+    fold = CompletionFold("cmpl-1", 1, "m", 2, 2, ["Say:"] if echo else None,
+                          include_usage=True)
+    text = fold.start() + "".join(fold.feed(b) for b in batches)
+    got: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for line in text.split("\n\n"):
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                got[c["index"]] = got.get(c["index"], "") + c["text"]
+                finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    done = fold.completion()
+    assert [got[c["index"]] for c in done["choices"]] == [c["text"] for c in done["choices"]]
+    assert done["choices"][0]["text"] == ("Say:" if echo else "") + " ac"
+    assert [finish[c["index"]] for c in done["choices"]] == ["length", "stop"]
+    assert done["usage"]["completion_tokens"] == 7

@@ -225,6 +225,73 @@ class ChatFold:
                 "usage": self.usage}
 
 
+class CompletionFold:
+    """A text completion as one fold over the pipeline's events (see ``ChatFold``):
+    ``prompts`` are echoed before each choice's text when asked; a choice's finish reason
+    rides on its last text chunk of a batch, as OpenAI sends it."""
+
+    def __init__(self, rid: str, created: int, model: str, n_choices: int, n: int,
+                 prompts: Optional[list[str]], tok: Any = None, include_usage: bool = False):
+        self.base = {"id": rid, "object": "text_completion", "created": created,
+                     "model": model}
+        self.n, self.prompts, self.tok, self.include_usage = n, prompts, tok, include_usage
+        self.choices = [{"text": "", "logprobs": [], "finish": None}
+                        for _ in range(n_choices)]
+        self.usage: Optional[dict[str, Any]] = None
+
+    def _prefix(self, i: int) -> str:
+        return self.prompts[i // self.n] if self.prompts else ""
+
+    def _chunk(self, index: int, text: str, finish: Optional[str] = None,
+               logprobs: Any = None) -> str:
+        extra = {"usage": None} if self.include_usage else {}
+        return sse({**self.base, "choices": [{"index": index, "text": text,
+                                              "logprobs": logprobs,
+                                              "finish_reason": finish}], **extra})
+
+    def start(self) -> str:
+        return "".join(self._chunk(i, self._prefix(i)) for i in range(len(self.choices))) \
+            if self.prompts else ""
+
+    def feed(self, batch: list) -> str:
+        parts: list[list] = []  # [index, text, finish, logprobs]
+        last: dict[int, list] = {}
+        for ev in batch:
+            if isinstance(ev, TextDelta):
+                ch = self.choices[ev.index]
+                lp = None
+                if self.tok is not None and ev.logprobs:
+                    lp = completion_logprobs(self.tok, ev.logprobs,
+                                             len(self._prefix(ev.index)) + len(ch["text"]))
+                    ch["logprobs"] += ev.logprobs
+                ch["text"] += ev.text
+                last[ev.index] = [ev.index, ev.text, None, lp]
+                parts.append(last[ev.index])
+            elif isinstance(ev, Finish):
+                self.choices[ev.index]["finish"] = ev.reason
+                if ev.index in last:
+                    last.pop(ev.index)[2] = ev.reason
+                else:
+                    parts.append([ev.index, "", ev.reason, None])
+            elif isinstance(ev, Done):
+                self.usage = ev.usage
+        out = [self._chunk(*p) for p in parts]
+        if self.include_usage and batch and isinstance(batch[-1], Done):
+            out.append(sse({**self.base, "choices": [], "usage": batch[-1].usage}))
+        return "".join(out)
+
+    def completion(self) -> dict[str, Any]:
+        choices = []
+        for i, ch in enumerate(self.choices):
+            prefix = self._prefix(i)
+            choices.append({"index": i, "text": prefix + ch["text"],
+                            "logprobs": completion_logprobs(self.tok, ch["logprobs"],
+                                                            len(prefix))
+                            if self.tok is not None else None,
+                            "finish_reason": ch["finish"]})
+        return {**self.base, "choices": choices, "usage": self.usage}
+
+
 def register_openai(app: Quart, worker: Worker) -> None:
     name = worker.name
 
@@ -252,55 +319,22 @@ def register_openai(app: Quart, worker: Worker) -> None:
     @app.post("/v1/completions")
     async def completions():
         req, pipe = await worker.begin(completion_request)
-        rid, created = new_id("cmpl"), now()
-        prompts = _prompt_texts(pipe, req, tokenizer()) if req.echo else None
-        if req.stream:
-            return worker.stream(pipe, _completion_stream(pipe, req, rid, created, prompts))
-        choices = []
-        for i, r in enumerate(await worker.collect(pipe)):
-            prefix = prompts[i // req.n] if prompts else ""
-            choices.append({
-                "index": i, "text": prefix + r.text,
-                "logprobs": completion_logprobs(tokenizer(), r.logprobs, len(prefix))
-                if req.logprobs is not None else None,
-                "finish_reason": r.finish.reason if r.finish else None})
-        return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": choices, "usage": pipe.usage()}
-
-    async def _completion_stream(pipe: Pipeline, req: GenRequest, rid: str, created: int,
-                                 prompts: Optional[list[str]]) -> AsyncIterator[str]:
-        include_usage = req.include_usage
-        base = {"id": rid, "object": "text_completion", "created": created, "model": name}
-        extra = {"usage": None} if include_usage else {}
         tok = tokenizer()
+        fold = CompletionFold(new_id("cmpl"), now(), name, len(pipe.choices), req.n,
+                              _prompt_texts(pipe, req, tok) if req.echo else None,
+                              tok if req.logprobs is not None else None, req.include_usage)
+        if req.stream:
+            return worker.stream(pipe, _completion_stream(pipe, fold))
+        await worker.fold(pipe, fold.feed)
+        return fold.completion()
 
-        def chunk(index: int, text: str, finish: Optional[str] = None,
-                  logprobs: Any = None) -> str:
-            return sse({**base, "choices": [{"index": index, "text": text,
-                                             "logprobs": logprobs,
-                                             "finish_reason": finish}], **extra})
-
-        if prompts:
-            yield "".join(chunk(i, prompts[i // req.n]) for i in range(len(pipe.choices)))
+    async def _completion_stream(pipe: Pipeline, fold: CompletionFold
+                                 ) -> AsyncIterator[str]:
+        yield fold.start()
         async for batch in pipe.events():
-            parts: list[list] = []  # [index, text, finish, logprobs]: a choice's last text
-            last: dict[int, list] = {}  # chunk carries its finish reason, as OpenAI sends it
-            for ev in batch:
-                if isinstance(ev, TextDelta):
-                    lp = completion_logprobs(tok, ev.logprobs) \
-                        if req.logprobs is not None and ev.logprobs else None
-                    last[ev.index] = [ev.index, ev.text, None, lp]
-                    parts.append(last[ev.index])
-                elif isinstance(ev, Finish):
-                    if ev.index in last:
-                        last.pop(ev.index)[2] = ev.reason
-                    else:
-                        parts.append([ev.index, "", ev.reason, None])
-            out = [chunk(*p) for p in parts]
-            if include_usage and isinstance(batch[-1], Done):
-                out.append(sse({**base, "choices": [], "usage": batch[-1].usage}))
-            if out:
-                yield "".join(out)
+            text = fold.feed(batch)
+            if text:
+                yield text
         yield "data: [DONE]\n\n"
 
 
