@@ -241,3 +241,21 @@ def test_completion_stream_and_answer_are_one_fold(echo):
     assert done["choices"][0]["text"] == ("Say:" if echo else "") + " ac"
     assert [finish[c["index"]] for c in done["choices"]] == ["length", "stop"]
     assert done["usage"]["completion_tokens"] == 7
+
+
+@pytest.mark.parametrize("path,check", [
+    ("/v1/chat/completions", lambda t: t.endswith("data: [DONE]\n\n")
+     and json.loads(t.split("\n\n")[0][6:])["error"]["code"] == "timeout"),
+    ("/v1/completions", lambda t: t.endswith("data: [DONE]\n\n")),
+    ("/v1/messages", lambda t: t.startswith("event: error\n") and json.loads(
+        t.split("data: ", 1)[1])["error"]["type"] == "api_error" and "[DONE]" not in t),
+    ("/v1/responses", lambda t: t.startswith("event: error\n") and json.loads(
+        t.split("data: ", 1)[1])["code"] == "timeout"),
+    ("/api/chat", lambda t: json.loads(t)["error"].startswith("The request")),
+])
+def test_in_band_errors_in_each_protocols_shape(path, check):
+    from mlxfleet.wire import APIError, stream_error
+
+    err = APIError(504, "The request to model 'm' timed out.", type="server_error",
+                   code="timeout")
+    assert check(stream_error(err, path)), stream_error(err, path)
