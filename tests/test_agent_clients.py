@@ -100,7 +100,7 @@ def test_claude_code_reads_a_file_and_answers(fleet, tmp_path):
         [claude, "-p", f"Please read the file at {work / 'notes.txt'} and tell me the "
          "secret word", "--output-format", "json", "--allowedTools", "Read",
          "--model", "claude-sonnet-4-5"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], fleet.logs())
     result = json.loads(out.stdout)
     assert result["subtype"] == "success" and not result["is_error"], result
@@ -120,7 +120,7 @@ def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
         [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--sandbox", "workspace-write",
          "--color", "never", "-c", "model_provider=mlx", "-c", provider, "-m", "gpt-5.5",
          "-o", str(tmp_path / "last.txt"), "Please create the file hello.txt saying hi"],
-        cwd=work, capture_output=True, text=True, timeout=300,
+        cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
              "MLX_KEY": "unused"})
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
@@ -144,7 +144,7 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
     out = subprocess.run(
         [opencode, "run", "-m", "mlxfleet/scripted",
          f"Please change hello to goodbye in the file at {target}"],
-        cwd=work, capture_output=True, text=True, timeout=300,
+        cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "PWD": str(work),  # opencode takes its folder from PWD
              "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
              "XDG_DATA_HOME": str(home / ".local/share"),
@@ -166,7 +166,7 @@ def test_continue_cli_reads_a_file_and_answers(fleet, tmp_path):
     out = subprocess.run(
         [cn, "-p", "--config", str(config), "--auto",
          f"Please look at the file {work / 'notes.txt'} and tell me the secret word"],
-        cwd=work, capture_output=True, text=True, timeout=300,
+        cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "PWD": str(work)})
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
     assert out.stdout.strip().endswith("The secret word is mango."), out.stdout[-2000:]
@@ -181,7 +181,7 @@ def test_qwen_code_reads_a_file_and_answers(fleet, tmp_path):
         [qwen, "--auth-type", "openai", "--openai-base-url", fleet.url + "/v1",
          "--openai-api-key", "unused", "-m", "scripted", "--yolo",
          f"Please open the file {work / 'notes.txt'} and tell me the secret word"],
-        cwd=work, capture_output=True, text=True, timeout=300,
+        cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "PWD": str(work),
              "PATH": f"{AGENTS}:{os.environ['PATH']}",  # its Node 22 first
              "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"})
@@ -297,7 +297,7 @@ def test_mlxfleet_launch_starts_claude_code_on_the_bundled_manifests(bundled, tm
     assert f"export ANTHROPIC_BASE_URL={bundled.url}" in printed.stdout
     out = subprocess.run([sys.executable, "-m", "mlxfleet", "launch", "claude", "--",
                           "-p", "hello", "--output-format", "json"], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], bundled.logs())
     result = json.loads(out.stdout)
     assert "placeholder for agent clients" in result["result"], result  # claude-* -> agents
