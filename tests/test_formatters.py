@@ -259,3 +259,14 @@ def test_in_band_errors_in_each_protocols_shape(path, check):
     err = APIError(504, "The request to model 'm' timed out.", type="server_error",
                    code="timeout")
     assert check(stream_error(err, path)), stream_error(err, path)
+
+
+def test_a_responses_stream_error_has_the_next_sequence_number():
+    from mlxfleet.wire import APIError
+
+    fold = responses_fold()
+    text = fold.start() + fold.feed([TextDelta(0, "a")])
+    text += fold.error(APIError(503, "Generation failed: boom", code="engine_error"))
+    events = sse(text)
+    assert events[-1][0] == "error" and events[-1][1]["code"] == "engine_error"
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))

@@ -353,9 +353,11 @@ class Worker:
             self.finished(pipe)
 
     def stream(self, pipe: Pipeline, body: AsyncIterator[str],
-               content_type: str = "text/event-stream"):
+               content_type: str = "text/event-stream",
+               in_band: Optional[Callable[[APIError], str]] = None):
         """A streaming answer; an error after the first byte goes in-band, in the shape
-        of this route's protocol."""
+        of this route's protocol (``in_band``: the protocol's fold writes it, e.g. with the
+        stream's next sequence number)."""
         path = request.path
 
         async def tracked():
@@ -364,7 +366,7 @@ class Worker:
                     yield chunk
             except APIError as err:
                 log.warning("stream failed: %s", err.message)
-                yield stream_error(err, path)
+                yield in_band(err) if in_band else stream_error(err, path)
             finally:
                 self.finished(pipe)
 

@@ -392,6 +392,10 @@ class ResponseFold:
                              ensure_ascii=False)
         return f"event: {kind}\ndata: {payload}\n\n"
 
+    def error(self, err: APIError) -> str:
+        """A failure after the stream started: the typed error event, numbered in turn."""
+        return self._event("error", code=err.code, message=err.message, param=err.param)
+
     def start(self) -> str:
         return self._event("response.created", response=self.shell.response("in_progress", [])) \
             + self._event("response.in_progress",
@@ -501,7 +505,7 @@ def register_responses(app: Quart, worker: Worker) -> None:
             log.info("left out tools this server cannot run: %s", ", ".join(tmap.dropped))
             pipe.headers[DROPPED_TOOLS_HEADER] = ", ".join(tmap.dropped)
         if req.stream:
-            return worker.stream(pipe, _stream(pipe, fold))
+            return worker.stream(pipe, _stream(pipe, fold), in_band=fold.error)
         await worker.fold(pipe, fold.feed)
         return fold.final
 
