@@ -82,6 +82,10 @@ class ServerSettings(BaseSettings):
         None, description="more names the gateway answers to in the Host header, "
         "comma-separated (its bind address and loopback names always; * for any): other "
         "names are refused, which defeats DNS rebinding")
+    allowed_origins: Optional[str] = Field(
+        None, description="web origins whose pages may send inference requests (as "
+        "OLLAMA_ORIGINS), comma-separated, * for any; apps and editors' webviews "
+        "(app://, vscode-webview://, extensions) always may; control writes never")
     insecure: bool = Field(False, description="allow a non-loopback bind without an API key")
     node: Optional[str] = Field(None, description="fleets: this machine's name, a kind: Node "
                                 "manifest in the folder (unset: a single machine)")
@@ -169,6 +173,10 @@ class ServerSettings(BaseSettings):
     @property
     def api_keys(self) -> list[str]:
         return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
+    @property
+    def origin_list(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     @property
     def host_names(self) -> list[str]:

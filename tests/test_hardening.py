@@ -31,8 +31,9 @@ LAUGHS = ("apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: laughs}\nspec:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("hard"), env={"MLXFLEET_DEFAULT_CACHE_MB": "256",
-                                                    "MLXFLEET_HEADER_TIMEOUT": "2"})
+    f = Fleet(tmp_path_factory.mktemp("hard"), env={
+        "MLXFLEET_DEFAULT_CACHE_MB": "256", "MLXFLEET_HEADER_TIMEOUT": "2",
+        "MLXFLEET_ALLOWED_ORIGINS": "http://localhost:3000"})
     f.write("tiny.yaml", manifest("tiny", keepAlive="forever"))
     f.write("slow.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="forever"))
     f.start()
@@ -132,6 +133,19 @@ def test_another_sites_page_cannot_change_models(srv, browser, evil_origin):
     assert not (srv.dir / "planted.yaml").exists()
     s = srv.status("tiny")
     assert s["ready"] and s["pid"] == pid and s["phase"] == "Ready", s
+
+
+def test_trusted_origins_and_apps_may_infer_but_never_change_models(srv):
+    def post(path: str, origin: str, **kw) -> int:
+        return httpx.post(srv.url + path, timeout=60, headers={
+            "Origin": origin, "Sec-Fetch-Site": "cross-site"}, **kw).status_code
+
+    chat = {"json": {"model": "tiny", "messages": MSG, "max_tokens": 1}}
+    assert post("/v1/chat/completions", "http://evil.example", **chat) == 403
+    assert post("/v1/chat/completions", "http://localhost:3000", **chat) == 200  # allowed
+    assert post("/v1/chat/completions", "vscode-webview://abc123", **chat) == 200  # an app
+    assert post("/mlxfleet/v1/models/tiny/load", "http://localhost:3000") == 403
+    assert post("/mlxfleet/v1/models/tiny/load", "vscode-webview://abc123") == 403
 
 
 def test_a_rebound_dns_name_gets_no_answer(srv):

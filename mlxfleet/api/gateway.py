@@ -64,7 +64,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
     guard = Guard(settings.api_keys, settings.rate_limit, settings.admin_keys,
                   settings.fleet_key, fleet=bool(settings.node),
                   hosts=allowed_hosts(settings.host, settings.host_names),
-                  more_hosts=node_hosts)
+                  more_hosts=node_hosts, origins=settings.origin_list)
     install_guard(app, guard)
     metrics = Metrics(supervisor)
     store = ResponseStore(Path(settings.state_dir).expanduser() / "responses.sqlite3",

@@ -118,9 +118,11 @@ class Guard:
     def __init__(self, api_keys: list[str], rate_limit: int,
                  admin_keys: Optional[list[str]] = None, fleet_key: Optional[str] = None,
                  fleet: bool = False, hosts: Optional[frozenset[str]] = None,
-                 more_hosts: Callable[[], Iterable[str]] = tuple):
+                 more_hosts: Callable[[], Iterable[str]] = tuple,
+                 origins: Iterable[str] = ()):
         self.api_keys, self.fleet_key, self.fleet = api_keys, fleet_key, fleet
         self.hosts, self.more_hosts = hosts, more_hosts
+        self.origins = [o.rstrip("/").lower() for o in origins]
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
         self.admin_keys = admin_keys or []
         self.any_key = api_keys + [k for k in self.admin_keys if k not in api_keys]
@@ -135,7 +137,7 @@ class Guard:
         if path == "/" or path.startswith("/ui/"):
             return None  # the dashboard's static files
         if method in _WRITES:
-            self._check_origin(headers)
+            self._check_origin(headers, path.startswith(CONTROL_PREFIX))
         sender = self._from_node(headers, remote_addr) if self.fleet else None
         if sender is not None and self.fleet_key:
             return sender  # another node, proven by the key: it admitted the client already
@@ -184,15 +186,23 @@ class Guard:
                        "allowed_hosts setting (MLXFLEET_ALLOWED_HOSTS) if it is.",
                        type="permission_error", code="host_not_allowed")
 
-    @staticmethod
-    def _check_origin(headers: Mapping[str, str]) -> None:
+    def _check_origin(self, headers: Mapping[str, str], control: bool) -> None:
         """Refuse writes sent by another site's page (CSRF: a form or a no-cors fetch
-        needs no preflight); control writes only take content types that need one."""
+        needs no preflight); control writes only take content types that need one.
+        Origins in ``allowed_origins`` may infer (as Ollama's OLLAMA_ORIGINS), and so may
+        apps and editors' webviews (``app://``, ``vscode-webview://``, extensions: not
+        web pages); only the dashboard itself changes models."""
         origin = cross_origin(headers)
-        if origin is not None:
-            raise APIError(403, f"Cross-origin request from {origin} refused: pages of other "
-                           "sites may not use this server.", type="permission_error",
-                           code="cross_origin")
+        if origin is None:
+            return
+        scheme = origin.split(":", 1)[0].lower()
+        if not control and (scheme not in ("http", "https", "null", "same-site", "cross-site")
+                            or "*" in self.origins or origin.rstrip("/").lower()
+                            in self.origins):
+            return
+        raise APIError(403, f"Cross-origin request from {origin} refused: pages of other "
+                       "sites may not use this server (allowed_origins lets a web page "
+                       "you trust infer).", type="permission_error", code="cross_origin")
 
     @staticmethod
     def _check_content_type(headers: Mapping[str, str]) -> None:
