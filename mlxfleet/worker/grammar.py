@@ -40,11 +40,22 @@ class GrammarError(ValueError):
 MAX_SCHEMA_BYTES = 512 * 1024
 
 
-def _limits():
+def _matcher(grammar: str, tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's matcher for ``grammar`` (JSON or Lark), within its default resource
+    limits; its errors do not echo the grammar back to the client. It never raises: a
+    grammar it cannot hold leaves the matcher in its error state."""
     import llguidance
 
-    # llguidance's defaults, but errors that do not echo the grammar back to the client
-    return llguidance.LLParserLimits(verbose_errors=False)
+    return llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
+                                limits=llguidance.LLParserLimits(verbose_errors=False))
+
+
+def _compiled(grammar: str, tokenizer: Any, vocab_size: int) -> Any:
+    """``_matcher``, or GrammarError when llguidance cannot compile ``grammar``."""
+    m = _matcher(grammar, tokenizer, vocab_size)
+    if m.is_error():
+        raise GrammarError(m.get_error())
+    return m
 
 
 def check_schema(schema: Any) -> None:
@@ -216,10 +227,7 @@ class Grammar:
     def start(self, tokenizer: Any, vocab_size: int) -> Any:
         """A fresh matcher for one sequence."""
         if self.matcher is None:
-            import llguidance
-
-            self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size),
-                                                self.text, log_level=0, limits=_limits())
+            self.matcher = _matcher(self.text, tokenizer, vocab_size)
         return self.matcher.deep_copy()
 
 
@@ -232,15 +240,10 @@ def schema_grammar(schema: Any, tokenizer: Any, vocab_size: int) -> Grammar:
 
 def lark_grammar(lark: str, tokenizer: Any, vocab_size: int) -> Grammar:
     """A Lark grammar (a freeform tool's, e.g. Codex's ``apply_patch``) -> ``Grammar``."""
-    import llguidance
 
     if len(lark) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the grammar is {len(lark)} bytes; at most {MAX_SCHEMA_BYTES}")
-    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), lark, log_level=0,
-                             limits=_limits())
-    if m.is_error():
-        raise GrammarError(m.get_error())
-    return Grammar(lark, m, closes=False)
+    return Grammar(lark, _compiled(lark, tokenizer, vocab_size), closes=False)
 
 
 def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> tuple[Any, int]:
@@ -249,12 +252,7 @@ def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int) -> tuple[Any,
     ``grammar`` within its limits, or fails along the way the closer would complete a
     value (a regex whose lexer only blows up once a string opens, say). Not on the
     engine thread, and not on the event loop: it can take a second."""
-    import llguidance
-
-    m = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0,
-                             limits=_limits())
-    if m.is_error():
-        raise GrammarError(m.get_error())
+    m = _compiled(grammar, tokenizer, vocab_size)
     trial = m.deep_copy()
     vocab = _Vocab.of(tokenizer, vocab_size)
     plan = _closing_tokens(trial, vocab, START, vocab_size, set(tokenizer.eos_token_ids),
