@@ -142,13 +142,6 @@ def _text_bytes(content: Any) -> int:
     return 0
 
 
-def _constrained(req: GenRequest) -> bool:
-    """Whether the output follows a grammar (compiled in ``_prepare``)."""
-    return req.response_schema is not None or req.forced_grammar is not None \
-        or bool(req.tools) and (req.tool_choice == "required"
-                                or isinstance(req.tool_choice, dict))
-
-
 def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):
     """Prompt tokens, output plan (parsers, grammar), sampling parameters and, with
     images, the ``VisionPrompt``; no MLX on this side."""
@@ -255,7 +248,7 @@ class Worker:
         text_bytes = self._check_size(info, req)
         if req.images:
             prompts, plan, params, vision = await self._prepare_images(info, req)
-        elif text_bytes > INLINE_PREPARE_BYTES or _constrained(req):
+        elif text_bytes > INLINE_PREPARE_BYTES or req.constrained:
             # Templating and tokenizing a long text, or compiling a grammar, takes a
             # while: off the event loop, so the neighbours' streams keep flowing and
             # health checks are answered. (Short ones stay inline: a thread hop costs
@@ -342,13 +335,6 @@ class Worker:
         try:
             async for batch in pipe.events():
                 feed(batch)
-        finally:
-            self.finished(pipe)
-
-    async def collect(self, pipe: Pipeline):
-        """A non-streaming answer: run to the end."""
-        try:
-            return await pipe.collect()
         finally:
             self.finished(pipe)
 

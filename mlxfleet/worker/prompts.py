@@ -58,6 +58,18 @@ class GenRequest:
     images: list[ImageRef] = field(default_factory=list)
 
     @property
+    def forces_a_call(self) -> bool:
+        """``tool_choice`` required or naming a tool: the answer must be a call."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output follows a grammar (a schema, a forced call or freeform
+        tool): compiling it takes a while."""
+        return self.response_schema is not None or self.forced_grammar is not None \
+            or bool(self.tools) and self.forces_a_call
+
+    @property
     def sequences(self) -> int:
         """How many sequences this request puts in the batch (prompts x n)."""
         return (len(self.prompts) if self.prompts is not None else 1) * self.n
@@ -166,7 +178,7 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
         plan.starts_in_reasoning = tail.endswith(plan.think[0])
     choice = req.tool_choice
     schema = None
-    if req.tools and (choice == "required" or isinstance(choice, dict)):
+    if req.tools and req.forces_a_call:
         name = choice.get("name") if isinstance(choice, dict) else None
         try:
             schema = tool_call_schema(req.tools, name)
@@ -176,7 +188,7 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
         plan.forced_tool = True
     elif req.tools and choice != "none" and info.defaults.auto_tool_choice:
         plan.tool_format = tool_format(info.defaults.tool_call_parser, tok)
-    elif choice == "required" or isinstance(choice, dict):
+    elif req.forces_a_call:
         raise APIError(400, "tool_choice requires tools.", param="tool_choice",
                        code="invalid_value")
     if req.forced_grammar is not None:
