@@ -359,10 +359,10 @@ def _server_url(args) -> str:
             or f"http://127.0.0.1:{os.environ.get('MLXFLEET_PORT', '8000')}").rstrip("/")
 
 
-def _cli_key() -> str:
+def _cli_key(prefer: tuple[str, ...] = ("MLXFLEET_ADMIN_KEY", "MLXFLEET_API_KEY")) -> str:
     """The key the CLI sends: the admin key when set (control writes need it), else a
-    client key."""
-    for var in ("MLXFLEET_ADMIN_KEY", "MLXFLEET_API_KEY"):
+    client key; the first of ``prefer`` that is set."""
+    for var in prefer:
         key = os.environ.get(var, "").split(",")[0].strip()
         if key:
             return key
@@ -604,22 +604,13 @@ def _run_launch(args) -> int:
 
     config_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
         / "mlxfleet" / "launch"
-    launch = plan(args.client, _server_url(args), _cli_client_key(), args.model, args.extra,
-                  config_dir)
+    # an agent is given a client key (it never needs to change models), else the admin's
+    key = _cli_key(("MLXFLEET_API_KEY", "MLXFLEET_ADMIN_KEY"))
+    launch = plan(args.client, _server_url(args), key, args.model, args.extra, config_dir)
     if args.print:
         print(launch.shell())
         return 0
     return run(launch)
-
-
-def _cli_client_key() -> str:
-    """The key a client sends: a client key (an admin key only when no client key is set:
-    agents do not need to change models)."""
-    for var in ("MLXFLEET_API_KEY", "MLXFLEET_ADMIN_KEY"):
-        key = os.environ.get(var, "").split(",")[0].strip()
-        if key:
-            return key
-    return ""
 
 
 def _run_validate(args) -> int:

@@ -172,21 +172,20 @@ class ServerSettings(BaseSettings):
 
     @property
     def api_keys(self) -> list[str]:
-        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+        return comma_list(self.api_key)
 
     @property
     def origin_list(self) -> list[str]:
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+        return comma_list(self.allowed_origins)
 
     @property
     def host_names(self) -> list[str]:
-        return [h.strip() for h in (self.allowed_hosts or "").split(",") if h.strip()]
+        return comma_list(self.allowed_hosts)
 
     @property
     def admin_keys(self) -> list[str]:
         """Keys allowed to change the fleet: the admin keys, else the API keys."""
-        keys = [k.strip() for k in (self.admin_key or "").split(",") if k.strip()]
-        return keys or self.api_keys
+        return comma_list(self.admin_key) or self.api_keys
 
     @property
     def keep_alive_seconds(self) -> float:
@@ -246,6 +245,11 @@ def metal_working_set() -> Optional[int]:
         return int(info["max_recommended_working_set_size"]) or None
     except Exception:  # noqa: BLE001 - no Metal answer: fall back to a share of RAM
         return None
+
+
+def comma_list(value: Optional[str]) -> list[str]:
+    """A comma-separated setting (``a, b``) as its non-empty items."""
+    return [x.strip() for x in (value or "").split(",") if x.strip()]
 
 
 def load_settings(**flags: Any) -> ServerSettings:
