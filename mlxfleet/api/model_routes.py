@@ -37,7 +37,7 @@ from ..wire import (
 from .guard import Guard, request_id
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
-from .ollama import load_or_unload, ollama_unload
+from .ollama import empty_request, load_or_unload
 from .responses import ResponseStore, owner_of
 
 log = logging.getLogger("mlxfleet.gateway")
@@ -140,7 +140,7 @@ class ModelRoutes:
                 and not self.guard.may_unload(headers, sender):
             floor = rt.manifest.spec.keep_alive
             floor = settings.keep_alive_seconds if floor is None else floor
-            if keep_alive == 0 and ollama_unload(path, body):
+            if keep_alive == 0 and empty_request(path, body):
                 raise APIError(403, "Unloading a model needs the admin key "
                                "(MLXFLEET_ADMIN_KEY) unless its manifest sets "
                                "clientKeepAlive: true.", type="permission_error",

@@ -64,7 +64,10 @@ def _config(rt: Any) -> dict[str, Any]:
         return {}
 
 
-def _context_length(cfg: dict[str, Any]) -> Optional[int]:
+def _context_length(rt: Any, cfg: dict[str, Any]) -> Optional[int]:
+    """The manifest's ``limits.contextLength``, else the checkpoint config's."""
+    if rt.manifest.spec.limits.context_length:
+        return rt.manifest.spec.limits.context_length
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         if isinstance(cfg.get(key), int):
             return cfg[key]
@@ -108,8 +111,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             resident = rt.memory_bytes() or rt.footprint()
             models.append({**_entry(rt, _tagged(n)), "expires_at": expires, "size": rt.footprint(),
                            "size_vram": resident,
-                           "context_length": rt.manifest.spec.limits.context_length
-                           or _context_length(_config(rt))})
+                           "context_length": _context_length(rt, _config(rt))})
         return {"models": models}
 
     @app.post("/api/show")
@@ -130,7 +132,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
         arch = cfg.get("model_type") or "unknown"
         info = {"general.architecture": arch, "general.parameter_count":
                 int((rt.weight_bytes or 0) / 2)}
-        ctx = rt.manifest.spec.limits.context_length or _context_length(cfg)
+        ctx = _context_length(rt, cfg)
         if ctx:
             info[f"{arch}.context_length"] = ctx
         caps = ["embedding"] if rt.manifest.spec.task == "embedding" else ["completion"]
@@ -167,7 +169,7 @@ def _chat_template(rt: Any) -> Optional[str]:
     return None
 
 
-def ollama_unload(path: str, body: dict[str, Any]) -> bool:
+def empty_request(path: str, body: dict[str, Any]) -> bool:
     """Whether this is Ollama's empty request (nothing to generate): a load, or an
     unload with ``keep_alive: 0``."""
     if path == "/api/chat":
@@ -183,7 +185,7 @@ async def load_or_unload(supervisor: Any, path: str, body: dict[str, Any], model
     model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload"; with
     API keys only for admin keys, which the gateway checked). None when the request has
     something to generate."""
-    if not ollama_unload(path, body):
+    if not empty_request(path, body):
         return None
     key = "message" if path == "/api/chat" else "response"
     empty = {"role": "assistant", "content": ""} if key == "message" else ""
