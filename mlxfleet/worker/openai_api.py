@@ -155,6 +155,15 @@ def completion_logprobs(tok: Any, events: list, offset: int = 0) -> dict[str, An
             "text_offset": offsets}
 
 
+def _chunk(base: dict[str, Any], include_usage: bool, index: int, content: dict[str, Any],
+           finish: Optional[str], logprobs: Any) -> str:
+    """One streamed chunk of one choice (``content``: a chat ``delta`` or a completion's
+    ``text``); with ``stream_options.include_usage`` every chunk says ``usage: null``."""
+    extra = {"usage": None} if include_usage else {}
+    return sse({**base, "choices": [{"index": index, **content, "logprobs": logprobs,
+                                     "finish_reason": finish}], **extra})
+
+
 class ChatFold:
     """A chat completion as one fold over the pipeline's events: ``start()`` and each
     ``feed(batch)`` give the stream's chunks, and ``completion()`` is the non-streamed
@@ -172,10 +181,8 @@ class ChatFold:
 
     def _chunk(self, index: int, delta: dict, finish: Optional[str] = None,
                logprobs: Any = None) -> str:
-        extra = {"usage": None} if self.include_usage else {}
-        return sse({**self.base, "choices": [{"index": index, "delta": delta,
-                                              "logprobs": logprobs,
-                                              "finish_reason": finish}], **extra})
+        return _chunk(self.base, self.include_usage, index, {"delta": delta}, finish,
+                      logprobs)
 
     def start(self) -> str:
         return "".join(self._chunk(i, {"role": "assistant", "content": ""})
@@ -244,10 +251,8 @@ class CompletionFold:
 
     def _chunk(self, index: int, text: str, finish: Optional[str] = None,
                logprobs: Any = None) -> str:
-        extra = {"usage": None} if self.include_usage else {}
-        return sse({**self.base, "choices": [{"index": index, "text": text,
-                                              "logprobs": logprobs,
-                                              "finish_reason": finish}], **extra})
+        return _chunk(self.base, self.include_usage, index, {"text": text}, finish,
+                      logprobs)
 
     def start(self) -> str:
         return "".join(self._chunk(i, self._prefix(i)) for i in range(len(self.choices))) \
