@@ -97,11 +97,10 @@ create index if not exists responses_created on responses(created);
 
 
 class ResponseStore:
-    """Stored responses in SQLite (``path``; None keeps them in memory, for tests and a
-    read-only state dir). Every method that touches the database is a coroutine that
-    runs on the store's one thread."""
+    """Stored responses in SQLite at ``path``. Every method that touches the database is
+    a coroutine that runs on the store's one thread."""
 
-    def __init__(self, path: Optional[Path], max_count: int, max_bytes: int, ttl: float,
+    def __init__(self, path: Path, max_count: int, max_bytes: int, ttl: float,
                  node: Optional[str] = None):
         self.max_count, self.max_bytes, self.ttl, self.node = max_count, max_bytes, ttl, node
         self.path = path
@@ -114,11 +113,9 @@ class ResponseStore:
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            target = ":memory:"
-            if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                target = str(self.path)
-            db = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), check_same_thread=False,
+                                 isolation_level=None)
             db.execute("pragma journal_mode=wal")
             db.execute("pragma synchronous=normal")  # a process crash loses nothing
             db.executescript(_SCHEMA)
@@ -128,14 +125,6 @@ class ResponseStore:
     async def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(self._conn()))
-
-    def close(self) -> None:
-        def shut():
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-        self._pool.submit(shut).result()
-        self._pool.shutdown()
 
     # ---- reads and writes --------------------------------------------------
 
@@ -179,10 +168,6 @@ class ResponseStore:
                         "where running > ?)", (self.max_bytes,))
 
         await self._run(write)
-
-    async def count(self) -> int:
-        return await self._run(lambda db: db.execute("select count(*) from responses")
-                               .fetchone()[0])
 
     # ---- the request path ------------------------------------------------
 
