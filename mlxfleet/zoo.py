@@ -39,13 +39,13 @@ HARMONY_TEMPLATE = r"""{%- set effort = reasoning_effort | default('medium') -%}
 {{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n\nReasoning: ' + effort + '\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}
 {%- if tools %}{{- '\nCalls to these tools must go to the commentary channel: \'functions\'.' }}{%- endif %}
 {{- '<|end|>' }}
-{%- set sys = [] -%}
-{%- for m in messages if m.role in ('system', 'developer') %}{%- set _ = sys.append(m.content) %}{%- endfor %}
-{%- if sys or tools %}
+{%- set sys = namespace(text='') -%}
+{%- for m in messages if m.role in ('system', 'developer') %}{%- set sys.text = sys.text + ('\n\n' if sys.text else '') + m.content %}{%- endfor %}
+{%- if sys.text or tools %}
 {{- '<|start|>developer<|message|>' }}
-{%- if sys %}{{- '# Instructions\n\n' + sys | join('\n\n') }}{%- endif %}
+{%- if sys.text %}{{- '# Instructions\n\n' + sys.text }}{%- endif %}
 {%- if tools %}
-{%- if sys %}{{- '\n\n' }}{%- endif %}
+{%- if sys.text %}{{- '\n\n' }}{%- endif %}
 {{- '# Tools\n\n## functions\n\nnamespace functions {\n' }}
 {%- for t in tools %}{%- set f = t.function if t.function is defined else t %}
 {{- '\n// ' + (f.description or '') + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n' }}

@@ -391,7 +391,7 @@ _KNOWN_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "logit_bias", "n", "user", "stream",
     "stream_options", "stream_interval", "ignore_eos", "logprobs", "top_logprobs", "tools",
     "tool_choice", "parallel_tool_calls", "response_format", "echo", "system", "metadata",
-    "skip_special_tokens", "thinking", "chat_template_kwargs",
+    "skip_special_tokens", "thinking", "chat_template_kwargs", "return_token_ids",
     # Ollama
     "options", "format", "think", "raw", "template", "suffix", "images", "context",
     # Responses

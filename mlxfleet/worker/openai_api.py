@@ -36,7 +36,8 @@ def _sampling(req: SamplingFields) -> dict[str, Any]:
                 stop=req.stop_list, n=req.n, stream=req.stream,
                 stream_interval=req.stream_interval, ignore_eos=req.ignore_eos,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens,
+                return_token_ids=req.return_token_ids)
 
 
 def _message(m: ChatMessage, i: int, images: list[ImageRef]) -> dict[str, Any]:
@@ -117,7 +118,8 @@ def chat_request(body: dict[str, Any]) -> GenRequest:
 
 def completion_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(CompletionRequest, body)
-    prompt = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    one = isinstance(req.prompt, str) or all(isinstance(t, int) for t in req.prompt)
+    prompt = [req.prompt] if one else req.prompt  # one prompt: a string or token ids
     return GenRequest(prompts=prompt, max_tokens=req.max_tokens, logprobs=req.logprobs,
                       echo=req.echo, prompt_param="prompt", **_sampling(req))
 
@@ -311,7 +313,7 @@ def register_openai(app: Quart, worker: Worker) -> None:
         if req.stream:
             return worker.stream(pipe, _chat_stream(pipe, fold))
         await worker.fold(pipe, fold.feed)
-        return fold.completion()
+        return _with_token_ids(fold.completion(), pipe, req)
 
     async def _chat_stream(pipe: Pipeline, fold: ChatFold) -> AsyncIterator[str]:
         yield fold.start()
@@ -331,7 +333,7 @@ def register_openai(app: Quart, worker: Worker) -> None:
         if req.stream:
             return worker.stream(pipe, _completion_stream(pipe, fold))
         await worker.fold(pipe, fold.feed)
-        return fold.completion()
+        return _with_token_ids(fold.completion(), pipe, req)
 
     async def _completion_stream(pipe: Pipeline, fold: CompletionFold
                                  ) -> AsyncIterator[str]:
@@ -341,6 +343,17 @@ def register_openai(app: Quart, worker: Worker) -> None:
             if text:
                 yield text
         yield "data: [DONE]\n\n"
+
+
+def _with_token_ids(out: dict[str, Any], pipe: Pipeline, req: GenRequest) -> dict[str, Any]:
+    """vLLM's ``return_token_ids``: the prompt's token ids on the answer, each choice's
+    generated ids on the choice (what a client needs to check or continue exactly)."""
+    if req.return_token_ids:
+        ids = pipe.token_ids()
+        out["prompt_token_ids"] = ids["prompt_token_ids"]
+        for choice, tokens in zip(out["choices"], ids["token_ids"]):
+            choice["token_ids"] = tokens
+    return out
 
 
 def _prompt_texts(pipe: Pipeline, req: GenRequest, tok: Any) -> list[str]:

@@ -81,6 +81,7 @@ class _Choice:
     def __init__(self, splitter: Any):
         self.splitter = splitter
         self.tokens = 0
+        self.token_ids: list[int] = []  # every token generated, shown or not
         self.raw = ""  # the whole output, for a forced tool call
         self.pending = ""  # text not yet emitted (stream_interval)
         self.pending_lp: list[TokenEvent] = []
@@ -151,6 +152,7 @@ class Pipeline:
         if ch.done:
             return []
         ch.tokens += 1
+        ch.token_ids.append(ev.token)
         if ev.logprob is not None:
             ch.pending_lp.append(ev)
         out: list[Event] = []
@@ -210,6 +212,12 @@ class Pipeline:
         """Free whatever is still running (client disconnected, error)."""
         if self.open > 0:
             self.engine.cancel(self.gen)
+
+    def token_ids(self) -> dict[str, Any]:
+        """vLLM's ``return_token_ids`` fields: each prompt's ids and each choice's."""
+        prompts = [list(p) for p in self.gen.prompts]
+        return {"prompt_token_ids": prompts[0] if len(prompts) == 1 else prompts,
+                "token_ids": [c.token_ids for c in self.choices]}
 
     @property
     def completion_tokens(self) -> int:

@@ -50,6 +50,7 @@ class GenRequest:
     echo: bool = False  # completions: the prompt before the completion
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # answers carry prompt_token_ids and token_ids (vLLM)
     prompt_param: str = "messages"  # the field errors about the prompt name
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
     #: a freeform tool the answer must be a call of: (name, its Lark grammar)
@@ -214,12 +215,7 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
 def completion_prompts(info: ModelInfo, req: GenRequest) -> list[list[int]]:
     """One token list per prompt (a completion request may carry several)."""
     p = req.prompts or []
-    if all(isinstance(x, str) for x in p):
-        prompts = [info.tokenizer.encode(x) for x in p]
-    elif all(isinstance(x, int) for x in p):
-        prompts = [list(p)]
-    else:
-        prompts = [list(x) for x in p]
+    prompts = [info.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]
     for i, ids in enumerate(prompts):
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt", code="empty_prompt")

@@ -109,6 +109,7 @@ class SamplingFields(_Model):
                                            description="tokens per streamed chunk")
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     skip_special_tokens: StrictBool = True  # vLLM's: hide special tokens from the text
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids
 
     @field_validator("stop")
     @classmethod
