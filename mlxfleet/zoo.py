@@ -15,6 +15,7 @@ which is what their architecture tests need. gpt-oss's package has no chat
 template: ``HARMONY_TEMPLATE`` is written from OpenAI's published harmony format.
 """
 
+# ruff: noqa: E501  (the harmony template is written as its lines render)
 from __future__ import annotations
 
 import hashlib

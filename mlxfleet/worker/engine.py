@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import os
 import queue
@@ -25,7 +26,15 @@ from typing import Any, Optional
 from .config import WorkerConfig
 from .decode import SequenceDecoder, special_token_ids
 from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
-from .model_facts import context_length, grammar_stats, kv_bytes_per_token, mlx_memory
+from .model_facts import (
+    cache_kinds,
+    context_length,
+    grammar_stats,
+    kv_bytes_per_token,
+    mlx_memory,
+    prefill_alone,
+    recurrent,
+)
 from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache, compact
 from .sampling import Samplers, SamplingParams, logits_processors
@@ -244,6 +253,7 @@ class Engine:
                               or (config.get("text_config") or {}).get("vocab_size")
                               or len(tokenizer))
         self._stream = mx.default_stream(mx.default_device())
+        self._describe_paths(config)
         # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
         # model. Bound it by the KV budget so the worker's memory stays predictable.
         mx.set_cache_limit(max(64 << 20, self.config.cache_bytes // 4))
@@ -261,6 +271,31 @@ class Engine:
         log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
                  self.load_seconds, self.context_length)
 
+    def _describe_paths(self, config: dict) -> None:
+        """Which exact path this architecture takes where the fast one would be wrong
+        (published in the status as ``paths``)."""
+        model_type = config.get("model_type") or (config.get("text_config") or {}).get(
+            "model_type")
+        self._prefill_alone = prefill_alone(self._model, model_type)
+        kinds = cache_kinds(self._model)
+        # A cache that cannot be cut back to an arbitrary prefix (recurrent state; a
+        # sliding window once past its size) is kept as it stood at the end of each
+        # prompt too: the next turn of the conversation extends that prompt.
+        self._snapshots = not self.config.sharded and (
+            recurrent(self._model) or "RotatingKVCache" in kinds)
+        self.paths = {
+            "model_type": model_type, "caches": kinds,
+            "prefill": "one prompt at a time: padding would run through the recurrent "
+                       "state" if self._prefill_alone else "batched",
+            "prefix_reuse": "prompt ends: a cache with recurrent state or a sliding "
+                            "window cannot be cut back to any prefix" if self._snapshots
+                            else "any prefix",
+        }
+
+    def _prefill_batch(self) -> int:
+        cfg = self.config
+        return 1 if self._prefill_alone else min(cfg.prefill_batch_size, cfg.max_concurrency)
+
     def _new_batch(self) -> None:
         from mlx_lm.generate import BatchGenerator
 
@@ -269,7 +304,7 @@ class Engine:
             self._model,
             stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
             completion_batch_size=cfg.max_concurrency,
-            prefill_batch_size=min(cfg.prefill_batch_size, cfg.max_concurrency),
+            prefill_batch_size=self._prefill_batch(),
             prefill_step_size=cfg.prefill_step_size,
             stream=self._stream,
         )
@@ -281,7 +316,7 @@ class Engine:
         self._new_batch()
         self.policy = self._policy_override or AdmissionPolicy(
             budget=cfg.cache_bytes, kv_per_token=kv_bytes_per_token(self._model),
-            prefill_batch=min(cfg.prefill_batch_size, cfg.max_concurrency))
+            prefill_batch=self._prefill_batch())
         self._seqs: dict[int, _Seq] = {}
         self._samplers = Samplers()
         self._pending: collections.deque[Generation] = collections.deque()
@@ -559,10 +594,14 @@ class Engine:
         cache = cache if cache is not None else make_prompt_cache(self._model)
         x = mx.array(rest)[None]
         step = self.config.prefill_step_size
-        while x.shape[1] > step:
-            self._model(x[:, :step], cache=cache)
+        last = 1 if self._snapshots else 0  # the last token on its own, after the snapshot
+        while x.shape[1] > last and (x.shape[1] > step or last):
+            self._model(x[:, :min(step, x.shape[1] - last)], cache=cache)
             mx.eval([c.state for c in cache])
-            x = x[:, step:]
+            x = x[:, min(step, x.shape[1] - last):]
+        if last and len(rest) > 1:
+            self.prompt_cache.store(list(gen.prompts[0][:-1]), copy.deepcopy(cache),
+                                    self.policy.budget - self._reserved)
         logits = self._model(x, cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = int((sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)).item())
@@ -615,6 +654,8 @@ class Engine:
         # the next call's generation step, which would then also prefill the next group of
         # prompts (seconds on a CPU) before returning them. Hand them out first.
         self._joined = any(r.end_of_prompt for r in prompts)
+        if self._snapshots:
+            self._snapshot([r.uid for r in prompts if r.end_of_segment and not r.end_of_prompt])
         self.stats.steps += 1
         out, stopped = [], []
         for r in responses:
@@ -657,6 +698,13 @@ class Engine:
         if out:
             self._post(out)
 
+    def _snapshot(self, uids: list[int]) -> None:
+        """Keep the caches of prompts whose prefill just reached their last token (all of
+        the prompt but that token), for the next request that extends the prompt."""
+        uids = [u for u in uids if u in self._seqs and self._seqs[u].key is None]
+        for cache, tokens in self._bg.extract_cache(uids).values():
+            self.prompt_cache.store(list(tokens), cache, self.policy.budget - self._reserved)
+
     def _generation_only(self) -> tuple[list, list]:
         """One step of mlx-lm's ``BatchGenerator`` that starts no new prompt: a decode
         step for the running sequences (prompts already mid-prefill go on). Measured at 32
@@ -683,6 +731,7 @@ class Engine:
             return
         self._published = now
         self.snapshot = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
+                         "paths": self.paths,
                          "grammar": grammar_stats(),
                          "mlx_memory": {**mlx_memory(), "limit_bytes": self.memory_limit},
                          "prompt_cache": self.prompt_cache.status()}

@@ -22,6 +22,40 @@ def kv_bytes_per_token(model: Any) -> int:
         return 0
 
 
+#: Architectures with recurrent state whose batched prefill (prompts of different lengths,
+#: right-padded by mlx-lm) gives each prompt the tokens it gets alone: checked on the zoo
+#: (tests/test_zoo.py). Any other recurrent model prefills one prompt at a time, because
+#: padding runs through its state (mlx-lm 0.32's Nemotron-H / Mamba-2 mixer does).
+PADDED_PREFILL_EXACT = frozenset({"qwen3_next", "lfm2"})
+
+
+def _layer_caches(model: Any) -> list[Any]:
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+    out = []
+    for c in make_prompt_cache(model):
+        out += list(c.caches) if isinstance(c, CacheList) else [c]
+    return out
+
+
+def cache_kinds(model: Any) -> list[str]:
+    """The class names of a fresh prompt cache's layers (``CacheList`` opened up)."""
+    return sorted({type(c).__name__ for c in _layer_caches(model)})
+
+
+def recurrent(model: Any) -> bool:
+    """True when some layer keeps a state that is not per token (SSM, convolution,
+    linear attention): such a cache cannot be cut back to an earlier prefix."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return any(isinstance(c, ArraysCache) for c in _layer_caches(model))
+
+
+def prefill_alone(model: Any, model_type: Optional[str]) -> bool:
+    """Whether this model's prompts must be prefilled one at a time to be exact."""
+    return recurrent(model) and model_type not in PADDED_PREFILL_EXACT
+
+
 def _leaves(tree):
     from mlx.utils import tree_flatten
 

@@ -86,36 +86,46 @@ class PromptCache:
         """
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+        for kind, key, keep in self._candidates(tokens):
+            trim = len(key) - keep
+            if keep == len(tokens):  # exact: leave the last token to prefill
+                trim, keep = trim + 1, keep - 1
+            if keep < MIN_REUSE_TOKENS:
+                continue
+            entry = self._lru.get(tuple(key)) or self._from_disk(tuple(key))
+            # A cache that cannot be cut back (recurrent state, a sliding window past its
+            # size) serves only a prompt it is a prefix of: try the next candidate.
+            if entry is None or (trim and not can_trim_prompt_cache(entry.cache)):
+                continue
+            self._lru.move_to_end(tuple(key))
+            cache = copy.deepcopy(entry.cache)
+            if trim:
+                trim_prompt_cache(cache, trim)
+            self.stats.hits[kind] += 1
+            self.stats.cached_tokens_total += keep
+            return cache, tokens[keep:], kind
+        self.stats.misses += 1
+        return None, tokens, None
+
+    def _candidates(self, tokens: list[int]) -> list[tuple[str, list[int], int]]:
+        """Stored entries that could serve ``tokens``, best first: (kind, key, tokens of
+        the prompt it covers)."""
         found = self._trie.search(_KEY, tokens)
+        if found.exact is not None:  # else the longest stored prefix of all but the last
+            below = self._trie.search(_KEY, tokens[:-1]) if len(tokens) > 1 else None
+            prefix = below and (below.exact or below.shorter)
+            return [("exact", found.exact, len(tokens))] + (
+                [("prefix", prefix, len(prefix))] if prefix else [])
+        out = []
         short = len(found.shorter) if found.shorter is not None else 0
-        if found.exact is not None:
-            kind, key, keep = "exact", found.exact, len(tokens)
-        elif found.longer is not None and found.common_prefix > short:
+        if found.longer is not None and found.common_prefix > short:
             # A cached sequence that extends the whole prompt (a regenerate, a retry) is a
             # supersequence; one that shares only a prefix with it, a longest common prefix.
             kind = "supersequence" if found.common_prefix >= len(tokens) else "lcp"
-            key, keep = found.longer, min(len(tokens) - 1, found.common_prefix)
-        elif short:
-            kind, key, keep = "prefix", found.shorter, short
-        else:
-            kind, key, keep = None, None, 0
-        entry = self._lru.get(tuple(key)) if key is not None else None
-        if entry is None and key is not None and keep >= MIN_REUSE_TOKENS:
-            entry = self._from_disk(tuple(key))
-        if entry is None or keep < MIN_REUSE_TOKENS or (
-                kind != "prefix" and not can_trim_prompt_cache(entry.cache)):
-            self.stats.misses += 1
-            return None, tokens, None
-        self._lru.move_to_end(tuple(key))
-        cache = copy.deepcopy(entry.cache)
-        trim = len(key) - keep
-        if keep == len(tokens):  # exact: leave the last token to prefill
-            trim, keep = trim + 1, keep - 1
-        if trim:
-            trim_prompt_cache(cache, trim)
-        self.stats.hits[kind] += 1
-        self.stats.cached_tokens_total += keep
-        return cache, tokens[keep:], kind
+            out.append((kind, found.longer, min(len(tokens) - 1, found.common_prefix)))
+        if short:
+            out.append(("prefix", found.shorter, short))
+        return out
 
     def store(self, tokens: list[int], cache: list[Any], room: int) -> None:
         """Keep ``cache`` for ``tokens``, then fit the whole cache into ``room`` bytes."""
