@@ -30,8 +30,11 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
 class SequenceDecoder:
     """One sequence's visible text, token by token."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], skip: frozenset[int]):
+    def __init__(self, tokenizer: Any, stops: list[str], skip: frozenset[int],
+                 keep_leading_space: bool = False):
         self._detok = tokenizer.detokenizer
+        if keep_leading_space:
+            keep_space(self._detok)
         self._stops = stops
         self._skip = skip
         self._sm = TextStateMachine({"normal": [(s, None) for s in stops]}) if stops else None
@@ -74,6 +77,17 @@ class SequenceDecoder:
             found = [(self._raw.find(s, cut), s) for s in self._stops]
             self.stop_sequence = min((f for f in found if f[0] >= 0), default=(0, None))[1]
         return out
+
+
+def keep_space(detok: Any) -> None:
+    """Keep the text's first space. mlx-lm's streaming detokenizers drop it (right for
+    a chat answer after a SentencePiece marker); a completion's text must be what its
+    tokens say, so that ``prompt + text`` is what the model produced and logprobs'
+    ``text_offset`` agree with it. (mlx-lm has the switch only for SentencePiece.)"""
+    if hasattr(detok, "trim_space"):
+        detok.trim_space = False
+    if isinstance(detok, BPEStreamingDetokenizer):
+        detok._maybe_trim_space = lambda text: text  # this copy only (see .detokenizer)
 
 
 def release_undecodable(detok: BPEStreamingDetokenizer) -> None:

@@ -526,7 +526,8 @@ class Engine:
             procs = [logits_processors(p, self.tokenizer, self.vocab_size)
                      for _ in range(count)]
             skip = self._special if p.skip_special_tokens else frozenset()
-            decoders = [SequenceDecoder(self.tokenizer, p.stop, skip) for _ in range(count)]
+            decoders = [SequenceDecoder(self.tokenizer, p.stop, skip, p.keep_leading_space)
+                        for _ in range(count)]
             budget = p.max_tokens
             samplers = [self._samplers.get(p, i) for i in range(count)]
             if self._lone(gen, procs):

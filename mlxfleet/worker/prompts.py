@@ -278,6 +278,7 @@ def sampling_params(info: ModelInfo, req: GenRequest,
         ignore_eos=req.ignore_eos,
         stop=list(req.stop),
         skip_special_tokens=req.skip_special_tokens,
+        keep_leading_space=req.messages is None,
         asked_max_tokens=asked,
     )
 

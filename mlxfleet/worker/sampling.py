@@ -32,6 +32,7 @@ class SamplingParams:
     grammar: Optional[Grammar] = None  # the compiled grammar the output must follow
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the engine thread
     skip_special_tokens: bool = True  # hide special tokens from the text (vLLM's default)
+    keep_leading_space: bool = False  # a completion's text is exactly its tokens' text
     asked_max_tokens: Optional[int] = None  # what the client asked, when it was lowered
 
     def sampler_key(self) -> tuple:

@@ -1,0 +1,180 @@
+"""Every model family, served exactly: the zoo's tiny checkpoints (mlx-lm's real
+architectures with random weights, real tokenizers and chat templates) through real worker
+processes, on every cache and batching path, give the token ids mlx-lm gives generating
+each prompt alone (greedy)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import mlx.core as mx
+import pytest
+from conftest import free_port
+from fleet import in_parallel
+
+from mlxfleet.builtin import builtin_cache_dir
+from mlxfleet.zoo import FAMILIES, build
+
+N = 12  # tokens generated per request
+SYSTEM = "You are a helpful assistant who answers briefly, precisely and politely. " * 6
+HELLO = [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "Hello there, how are you today?"}]
+LONGER = HELLO + [{"role": "assistant", "content": "Fine, thanks. What can I do for you?"},
+                  {"role": "user", "content": "Tell me about the weather in Paris. " * 3}]
+
+
+@pytest.fixture(scope="module")
+def zoo_root():
+    return builtin_cache_dir().parent / "zoo"
+
+
+@functools.lru_cache(maxsize=1)
+def reference(path: str):
+    """mlx-lm alone on the checkpoint: (model, tokenizer, greedy ids for a prompt)."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tok = load(path)
+
+    @functools.lru_cache(maxsize=64)
+    def alone(prompt: tuple[int, ...], n: int = N) -> list[int]:
+        steps = generate_step(mx.array(prompt), model, max_tokens=n,
+                              sampler=lambda x: mx.argmax(x, axis=-1))
+        return [int(t) for t, _ in steps]
+
+    return model, tok, alone
+
+
+def chat(w, messages, **kw) -> dict:
+    with w.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "m", "messages": messages, "max_tokens": N, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(w, prompt, **kw) -> dict:
+    with w.client() as c:
+        r = c.post("/v1/completions", json={
+            "model": "m", "prompt": prompt, "max_tokens": N, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(body: dict) -> int:
+    return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def batch_prompts(tok) -> list[list[int]]:
+    """Four prompts of different lengths, to decode together."""
+    return [tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me about cities and rivers. " * k}],
+        add_generation_prompt=True) for k in (1, 3, 6, 10)]
+
+
+def start(start_worker, path, *extra, config=None):
+    return start_worker("--config", json.dumps({"source": str(path), **(config or {})}),
+                        "--name", "m", "--max-concurrency", "8", *extra, source=str(path))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_gives_mlx_lm_tokens_alone_again_longer_batched_and_after_a_restart(
+        family, zoo_root, start_worker, tmp_path):
+    path = build(family, zoo_root)
+    model, tok, alone = reference(str(path))
+    disk = {"disk_cache_bytes": 1 << 30, "disk_cache_dir": str(tmp_path / "disk")}
+    w = start(start_worker, path, config=disk)
+    first = chat(w, HELLO)
+    prompt = tuple(first["prompt_token_ids"])
+    assert first["choices"][0]["token_ids"] == alone(prompt), "alone"
+    again = chat(w, HELLO)
+    assert again["choices"][0]["token_ids"] == alone(prompt), "again (cache hit)"
+    assert cached(again) >= 32
+    longer = chat(w, LONGER)  # shares HELLO's prefix, runs past any sliding window (16)
+    assert longer["choices"][0]["token_ids"] == alone(tuple(longer["prompt_token_ids"])), \
+        "a longer prompt sharing the prefix"
+    shared = next((i for i, (a, b) in enumerate(zip(prompt, longer["prompt_token_ids"]))
+                   if a != b), len(prompt))
+    if shared > 32:  # (Mistral's template moves the system prompt to the last user turn)
+        assert cached(longer) >= 32
+    prompts = batch_prompts(tok)
+    together = in_parallel(lambda p: complete(w, p), [(p,) for p in prompts])
+    assert [b["choices"][0]["token_ids"] for b in together] == \
+        [alone(tuple(p)) for p in prompts], "four prompts of different lengths at once"
+    # a completion's text is its tokens' text, leading space and all
+    body = complete(w, "The capital of France is", logprobs=0)
+    choice = body["choices"][0]
+    assert choice["text"] == tok.decode(choice["token_ids"])
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    paths = w.status()["paths"]
+    assert paths["model_type"] == model.args.model_type
+    w.stop()  # the disk tier keeps the prompt cache for the next worker
+    w = start(start_worker, path, config=disk)
+    back = chat(w, HELLO)
+    assert back["choices"][0]["token_ids"] == alone(prompt), "from the disk tier"
+    assert cached(back) >= 32
+    w.stop()
+
+
+def kv_only(path) -> bool:
+    from mlxfleet.worker.model_facts import cache_kinds
+
+    return cache_kinds(reference(str(path))[0]) == ["KVCache"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_gives_mlx_lm_tokens_with_the_paged_cache(family, zoo_root, start_worker):
+    path = build(family, zoo_root)
+    if not kv_only(path):
+        pytest.skip("layers that are not plain KV caches keep whole prompts (tested above)")
+    _, tok, alone = reference(str(path))
+    w = start(start_worker, path, "--use-paged-cache")
+    for messages in (HELLO, HELLO, LONGER):
+        body = chat(w, messages)
+        assert body["choices"][0]["token_ids"] == alone(tuple(body["prompt_token_ids"]))
+        if messages is HELLO:
+            hit = cached(body)
+    assert hit >= 64  # (the paged cache shares whole 64-token blocks)
+    prompts = batch_prompts(tok)
+    together = in_parallel(lambda p: complete(w, p), [(p,) for p in prompts])
+    assert [b["choices"][0]["token_ids"] for b in together] == \
+        [alone(tuple(p)) for p in prompts]
+    w.stop()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_gives_mlx_lm_tokens_tensor_parallel_over_two_ranks(
+        family, zoo_root, start_worker):
+    path = build(family, zoo_root)
+    model, tok, alone = reference(str(path))
+    if not hasattr(model, "shard"):
+        pytest.skip(f"mlx-lm cannot shard {model.args.model_type}")
+    hosts = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    ranks = []
+    for r in (0, 1):
+        cfg = json.dumps({"source": str(path), "dist_hosts": hosts, "dist_rank": r})
+        ranks.append(start_worker("--config", cfg, "--name", "m", source=str(path),
+                                  wait=False))
+    ranks[0].wait_ready()
+    body = chat(ranks[0], HELLO)
+    assert body["choices"][0]["token_ids"] == alone(tuple(body["prompt_token_ids"]))
+    prompts = batch_prompts(tok)
+    together = in_parallel(lambda p: complete(ranks[0], p), [(p,) for p in prompts])
+    assert [b["choices"][0]["token_ids"] for b in together] == \
+        [alone(tuple(p)) for p in prompts]
+    for r in ranks:
+        r.stop()
+
+
+def test_the_zoo_is_built_from_the_families_real_tokenizers(zoo_root):
+    """Each checkpoint carries its family's tokenizer and a chat template that renders."""
+    for family in FAMILIES:
+        path = build(family, zoo_root)
+        config = json.loads((path / "config.json").read_text())
+        assert config["mlxfleet"]["zoo"] == family
+        assert os.path.getsize(path / "tokenizer.json") > 1_000_000  # a real vocabulary
