@@ -178,3 +178,36 @@ def test_the_zoo_is_built_from_the_families_real_tokenizers(zoo_root):
         config = json.loads((path / "config.json").read_text())
         assert config["mlxfleet"]["zoo"] == family
         assert os.path.getsize(path / "tokenizer.json") > 1_000_000  # a real vocabulary
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_kv_estimate_is_what_a_sequence_holds(family, zoo_root):
+    """Admission budgets a sequence by ``kv_cost``: for MLA (a latent per token), sliding
+    windows (bounded), hybrids (constant state beside attention) it must be what the
+    cache really holds after a long prompt (512 tokens: whole allocation steps)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxfleet.worker.model_facts import kv_cost
+    from mlxfleet.worker.policy import AdmissionPolicy
+
+    model = reference(str(build(family, zoo_root)))[0]
+    cost = kv_cost(model)
+    cache = make_prompt_cache(model)
+    model(mx.arange(1, 513)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    held = sum(c.nbytes for c in cache)
+    policy = AdmissionPolicy(1 << 40, cost.per_token, 1, kv_windows=cost.windows,
+                             kv_fixed=cost.fixed, prefill_step=512)
+    assert policy.need(500, 12) == held
+
+
+def test_the_context_length_counts_a_rope_scaling_that_stretches_it():
+    from mlxfleet.worker.model_facts import context_length
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_length({"max_position_embeddings": 40960, "rope_scaling": yarn}, None) \
+        == 131072  # Qwen3 with YaRN, as its model card enables it
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert context_length({"max_position_embeddings": 131072, "rope_scaling": llama3},
+                          None) == 131072  # already the stretched length
+    assert context_length({"text_config": {"max_position_embeddings": 32768}}, None) == 32768

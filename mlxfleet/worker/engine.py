@@ -27,10 +27,12 @@ from .config import WorkerConfig
 from .decode import SequenceDecoder, special_token_ids
 from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
 from .model_facts import (
+    KVCost,
     cache_kinds,
     context_length,
     grammar_stats,
     kv_bytes_per_token,
+    kv_cost,
     mlx_memory,
     prefill_alone,
     recurrent,
@@ -314,8 +316,12 @@ class Engine:
 
         cfg = self.config
         self._new_batch()
+        # (a sharded model cannot run a token on one rank alone: estimated from its shape)
+        kv = KVCost(kv_bytes_per_token(self._model)) if cfg.sharded else kv_cost(self._model)
+        self.paths["kv"] = kv.as_dict()
         self.policy = self._policy_override or AdmissionPolicy(
-            budget=cfg.cache_bytes, kv_per_token=kv_bytes_per_token(self._model),
+            budget=cfg.cache_bytes, kv_per_token=kv.per_token, kv_windows=kv.windows,
+            kv_fixed=kv.fixed, prefill_step=cfg.prefill_step_size,
             prefill_batch=self._prefill_batch())
         self._seqs: dict[int, _Seq] = {}
         self._samplers = Samplers()

@@ -2,11 +2,69 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
+@dataclass(frozen=True)
+class KVCost:
+    """What one sequence's cache costs as it grows, measured on the loaded model."""
+
+    per_token: int  # bytes each token adds to the layers that keep every token
+    windows: tuple[tuple[int, int], ...] = ()  # (bytes per token, window): sliding layers
+    fixed: int = 0  # recurrent state (SSM, convolution): the same at any length
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes_per_token": self.per_token, "fixed_bytes": self.fixed,
+                "sliding_windows": [{"bytes_per_token": b, "tokens": w}
+                                    for b, w in self.windows]}
+
+
+def kv_cost(model: Any) -> KVCost:
+    """Run one token and read what each layer's cache holds: per token for caches that
+    keep keys and values (full heads, or the latent of MLA: whatever the architecture
+    stores), bounded by the window for sliding ones, constant state for the others
+    (SSM, convolution, linear attention)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import RotatingKVCache
+
+    try:
+        top, layers = make_prompt_caches(model)
+        model(mx.array([[0]]), cache=top)
+        mx.eval([c.state for c in top])
+        per_token, windows, fixed = 0, [], 0
+        for c in layers:
+            kv = [a for x in (getattr(c, "keys", None), getattr(c, "values", None))
+                  for _, a in tree_flatten(x) if hasattr(a, "nbytes")]
+            if kv:  # buffers laid out (..., tokens, dim): bytes per token slot
+                per = sum(a.nbytes // a.shape[-2] for a in kv)
+                if isinstance(c, RotatingKVCache):
+                    windows.append((per, int(c.max_size)))
+                else:
+                    per_token += per
+            else:
+                fixed += sum(a.nbytes for _, a in tree_flatten(c.state) if hasattr(a, "nbytes"))
+        return KVCost(per_token, tuple(windows), fixed)
+    except Exception:  # noqa: BLE001 - a model that cannot run a token here: estimate
+        return KVCost(kv_bytes_per_token(model))
+
+
+def make_prompt_caches(model: Any) -> tuple[list[Any], list[Any]]:
+    """A fresh prompt cache (as the model takes it) and its layers' caches (``CacheList``
+    opened up)."""
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
+
+    top = make_prompt_cache(model)
+    layers = []
+    for c in top:
+        layers += list(c.caches) if isinstance(c, CacheList) else [c]
+    return top, layers
+
+
 def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of K and V one token adds across all layers (0 if the shape is unknown)."""
+    """Bytes of K and V one token adds across all layers, from the model's arguments
+    (0 if the shape is unknown): the estimate when ``kv_cost`` cannot run the model."""
     try:
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
@@ -30,12 +88,7 @@ PADDED_PREFILL_EXACT = frozenset({"qwen3_next", "lfm2"})
 
 
 def _layer_caches(model: Any) -> list[Any]:
-    from mlx_lm.models.cache import CacheList, make_prompt_cache
-
-    out = []
-    for c in make_prompt_cache(model):
-        out += list(c.caches) if isinstance(c, CacheList) else [c]
-    return out
+    return make_prompt_caches(model)[1]
 
 
 def cache_kinds(model: Any) -> list[str]:
@@ -62,11 +115,25 @@ def _leaves(tree):
     return tree_flatten(tree)
 
 
+#: RoPE scalings whose factor stretches the trained context (vLLM's rule); "llama3" and
+#: "longrope" configs already state the stretched length in max_position_embeddings.
+_STRETCHING = {"yarn", "linear", "dynamic"}
+
+
 def context_length(config: dict, tokenizer: Any) -> Optional[int]:
+    """The longest sequence the model takes: its positions, stretched by a RoPE scaling
+    such as YaRN (Qwen3's 32k x 4 = 128k), else the tokenizer's ``model_max_length``."""
+    text = config.get("text_config") or {}
     for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
                 "seq_length"):
-        v = config.get(key) or (config.get("text_config") or {}).get(key)
+        v = config.get(key) or text.get(key)
         if isinstance(v, int) and v > 0:
+            scaling = config.get("rope_scaling") or text.get("rope_scaling") or {}
+            kind = scaling.get("rope_type") or scaling.get("type")
+            factor = scaling.get("factor")
+            if kind in _STRETCHING and isinstance(factor, (int, float)) and factor > 1:
+                base = scaling.get("original_max_position_embeddings") or v
+                return max(v, int(base * factor))
             return v
     v = getattr(tokenizer, "model_max_length", None)
     return v if isinstance(v, int) and 0 < v < 10**8 else None

@@ -27,6 +27,11 @@ class AdmissionPolicy:
     budget: int  # KV bytes: running sequences plus retained prompt caches
     kv_per_token: int  # bytes of K and V one token adds across all layers
     prefill_batch: int  # prompts prefilled in one pass
+    #: (bytes per token, window) of layers that keep only the last ``window`` tokens
+    kv_windows: tuple[tuple[int, int], ...] = ()
+    kv_fixed: int = 0  # bytes of state a sequence holds whatever its length (SSM, conv)
+    #: prompt tokens per prefill chunk: a sliding layer holds its window plus one chunk
+    prefill_step: int = 0
     batch_wait: float = 0.02  # seconds an idle engine gathers a burst, at most
     batch_gap: float = 0.005  # ...as long as requests arrive closer together than this
     admit_wait: float = 0.05  # while decoding, how long new arrivals may gather
@@ -41,8 +46,9 @@ class AdmissionPolicy:
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """KV bytes one sequence may grow to."""
-        longest = prompt_tokens + max_tokens
-        return self.kv_per_token * (-(-longest // KV_BLOCK) * KV_BLOCK)
+        longest = -(-(prompt_tokens + max_tokens) // KV_BLOCK) * KV_BLOCK
+        return self.kv_fixed + self.kv_per_token * longest + sum(
+            per * min(longest, window + self.prefill_step) for per, window in self.kv_windows)
 
     def gather_timeout(self, pending: int, now: float, deadline: float) -> Optional[float]:
         """After an idle spell: how long to wait for the next arrival, or None to stop
