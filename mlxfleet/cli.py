@@ -513,6 +513,14 @@ def _run_describe(args) -> int:
     print(f"Est. memory:   {fmt_bytes(mm['footprintBytes'])} "
           f"(weights {fmt_bytes(mm['weightBytes'])}, "
           f"KV cache {fmt_bytes(mm['cacheBytes'])}; measured {fmt_bytes(mm['measuredBytes'])})")
+    paths = m.get("paths") or {}
+    if paths:
+        p = paths.get("parsers") or {}
+        print(f"Architecture:  {paths.get('model_type')} ({', '.join(paths.get('caches', []))})")
+        print(f"Parsers:       tool calls {p.get('tool_call')}, reasoning "
+              f"{p.get('reasoning') or '-'} (from the {p.get('source')})")
+        print(f"Exact paths:   prefill {paths.get('prefill')}; prefix reuse "
+              f"{paths.get('prefix_reuse')}")
     print(f"Last error:    {m['lastError'] or '-'}")
     print(f"Log:           {m['logFile']}")
     print("Conditions:")

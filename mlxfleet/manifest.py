@@ -153,7 +153,7 @@ class ParsersSpec(_Spec):
 
     @model_validator(mode="after")
     def _known(self):
-        from .worker.parsers import REASONING_PARSERS, TOOL_PARSERS
+        from .formats import REASONING_PARSERS, TOOL_PARSERS
 
         if self.tool_call is not None and self.tool_call not in TOOL_PARSERS:
             raise ValueError(f"unknown toolCall parser {self.tool_call!r}; choose one of: "

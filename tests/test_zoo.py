@@ -211,3 +211,129 @@ def test_the_context_length_counts_a_rope_scaling_that_stretches_it():
     assert context_length({"max_position_embeddings": 131072, "rope_scaling": llama3},
                           None) == 131072  # already the stretched length
     assert context_length({"text_config": {"max_position_embeddings": 32768}}, None) == 32768
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+THOUGHT = "The user wants the weather, so I call the tool."
+
+
+def split(splitter_of, text: str, streamed: bool) -> tuple[str, str, list]:
+    """(content, reasoning, calls) a parser makes of ``text``, fed whole or a character
+    at a time (as a stream arrives)."""
+    sp = splitter_of()
+    pieces = []
+    for chunk in (list(text) if streamed else [text]):
+        pieces += sp.feed(chunk)
+    pieces += sp.finish()
+    content = "".join(v for k, v in pieces if k == "content")
+    reasoning = "".join(v for k, v in pieces if k == "reasoning")
+    return content, reasoning, [v for k, v in pieces if k == "call"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_what_a_family_template_writes_its_parsers_read_back(family, zoo_root):
+    """The assistant turn the family's own template writes (a tool call, reasoning), fed
+    through the parsers picked for that model, streamed and whole, gives back the call
+    and the reasoning exactly."""
+    from mlxfleet.formats import pick_parsers
+    from mlxfleet.worker.parsers import think_markers, tool_format
+    from mlxfleet.worker.prompts import OutputPlan, for_template, template_style
+
+    model, tok, _ = reference(str(build(family, zoo_root)))
+    template, style = template_style(tok.chat_template)  # as the worker reads it at load
+    tok.chat_template = template
+    parsers = pick_parsers(model.args.model_type, template)
+    if "tool" not in template:
+        pytest.skip(f"{family}'s chat template cannot write tool calls")
+    plan = OutputPlan(tool_format=tool_format(parsers.tool_call, tok),
+                      think=think_markers(parsers.reasoning, tok),
+                      harmony=parsers.tool_call == "harmony")
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    turn = {"role": "assistant", "content": "", "reasoning_content": THOUGHT,
+            "tool_calls": [{"id": "abcDEF123", "type": "function",
+                            "function": {"name": "get_weather",
+                                         "arguments": {"city": "Paris"}}}]}
+    prompt = tok.apply_chat_template(asked, tools=TOOLS, add_generation_prompt=True,
+                                     tokenize=False)
+    full = tok.apply_chat_template(for_template(asked + [turn], style), tools=TOOLS,
+                                   tokenize=False)
+    assert full.startswith(prompt)
+    written = full[len(prompt):]
+    ends = [tok.convert_ids_to_tokens(i) for i in tok.eos_token_ids]
+    written = written[:min([written.find(e) for e in ends if e in written] or [len(written)])]
+    for streamed in (False, True):
+        content, reasoning, calls = split(lambda: plan.splitter(TOOLS), written, streamed)
+        assert calls == [CALL], (written, content)
+        assert content.strip() == ""
+        if THOUGHT in written:  # (templates that write the reasoning back)
+            assert reasoning.strip() == THOUGHT
+    # reasoning off: a template that closes the thought in the prompt starts in content
+    if "enable_thinking" in template:
+        off = tok.apply_chat_template(asked, add_generation_prompt=True, tokenize=False,
+                                      enable_thinking=False)
+        assert not off.rstrip().endswith(plan.think[0])
+    if family == "gpt_oss":  # reasoning_effort goes into harmony's system message
+        high = tok.apply_chat_template(asked, add_generation_prompt=True, tokenize=False,
+                                       reasoning_effort="high")
+        assert "Reasoning: high" in high
+
+
+HARMONY_SCRIPT = {"rules": [
+    {"when": "sunny", "say": "<|channel|>analysis<|message|>It is sunny."
+     "<|end|><|start|>assistant<|channel|>final<|message|>Sunny in Paris."},
+    {"when": "weather", "say": "<|channel|>analysis<|message|>I need the weather tool."
+     "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json"
+     "<|message|>{\"city\": \"Paris\"}"}]}
+
+
+def test_harmony_reasoning_calls_and_answers_reach_clients_and_the_choice_is_shown(
+        tmp_path):
+    """gpt-oss's harmony format end to end through the gateway and the openai SDK,
+    streamed and not: the analysis channel is reasoning, a message to functions.NAME a
+    call, the final channel the answer. (The scripted model writes harmony: random
+    weights do not.) The parsers picked are shown in /v1/models, /api/show, describe."""
+    import httpx
+    from fleet import Fleet, manifest
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(HARMONY_SCRIPT))
+    f = Fleet(tmp_path / "node")
+    f.write("m.yaml", manifest("oss", source="builtin:scripted",
+                               parsers={"toolCall": "harmony"},
+                               env={"MLXFLEET_SCRIPT": str(script)}))
+    f.start()
+    try:
+        f.wait_ready("oss")
+        client = f.openai()
+        asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="oss", messages=asked, tools=TOOLS,
+                                           max_tokens=80)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert msg.reasoning_content == "I need the weather tool."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] \
+            == [("get_weather", {"city": "Paris"})]
+        assert not msg.content
+        then = asked + [msg.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+                         "content": "sunny", "name": "functions.get_weather"}]
+        chunks = list(client.chat.completions.create(model="oss", messages=then, tools=TOOLS,
+                                                     max_tokens=80, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        thought = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                          for c in chunks if c.choices)
+        assert (text, thought) == ("Sunny in Paris.", "It is sunny.")
+        listed = {m["id"]: m for m in httpx.get(f.url + "/v1/models").json()["data"]}
+        assert listed["oss"]["parsers"]["tool_call"] == "harmony"
+        assert listed["oss"]["parsers"]["source"] == "manifest"
+        show = httpx.post(f.url + "/api/show", json={"model": "oss"}).json()
+        assert show["parsers"] == {"tool_call": "harmony", "reasoning": "harmony",
+                                   "source": "manifest"}
+        out = f.cli("describe", "model", "oss")
+        assert "Parsers:       tool calls harmony, reasoning harmony" in out.stdout, out
+    finally:
+        f.stop()

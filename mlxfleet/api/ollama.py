@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from quart import Quart, request
 
+from ..formats import pick_parsers
 from ..manifest import is_pattern
 from ..wire import APIError, parse_json_body
 
@@ -142,8 +143,12 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             caps.append("thinking")
         if "vision_config" in cfg or rt.manifest.spec.task == "vision":
             caps.append("vision")
+        parsers = pick_parsers(cfg.get("model_type"), template,
+                               rt.manifest.spec.parsers.tool_call,
+                               rt.manifest.spec.parsers.reasoning)
         return {"modelfile": f"# mlxfleet manifest {rt.file}\nFROM {rt.manifest.spec.source}\n",
                 "parameters": "\n".join(params), "template": template or "",
+                "parsers": parsers.as_dict(),
                 "details": _details(rt), "model_info": info, "capabilities": caps,
                 "modified_at": _iso(rt.created)}
 

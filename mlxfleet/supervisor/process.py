@@ -47,6 +47,7 @@ class WorkerProcess(InflightCounter):
         self.log_path = log_path
         self.proc: Optional[asyncio.subprocess.Process] = None
         self.ready_at: Optional[float] = None
+        self.paths: Optional[dict] = None  # the worker's parsers and exact paths, once ready
         self.started_at: Optional[float] = None
         self.stopping = False
         self._parent_w: Optional[int] = None
@@ -141,7 +142,7 @@ class WorkerProcess(InflightCounter):
             h = await self.get_json("/health", 5.0)
             if h is not None:
                 if h.get("state") == "ready":
-                    self.ready_at = time.monotonic()
+                    self.ready_at, self.paths = time.monotonic(), h.get("paths")
                     return True, ""
                 if h.get("state") == "failed":
                     return False, h.get("error") or "the model failed to load"

@@ -240,6 +240,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
                        "footprintBytes": footprint},
             **self.record_status(self.created),
             "logFile": str(self.sup.log_path(self.name)),
+            "paths": getattr(w, "paths", None) if w and w.alive else None,
         }
 
     # ---- lifecycle -------------------------------------------------------

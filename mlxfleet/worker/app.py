@@ -20,6 +20,7 @@ from typing import Any, Optional
 from quart import Quart, g, request
 
 from .. import blas
+from ..formats import pick_parsers
 from ..wire import (
     GATEWAY_FIELDS,
     APIError,
@@ -67,6 +68,8 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
                 "source": engine.source, "task": task, "blas": blas.active}
         if problem or engine.error:
             body["error"] = problem or engine.error
+        if ok and getattr(engine, "paths", None):
+            body["paths"] = engine.paths  # parsers and exact paths, for the supervisor
         return body, 200 if ok else 503
 
     @app.get("/v1/models")
@@ -191,7 +194,11 @@ class Worker:
                                code="engine_unavailable", headers={"Retry-After": "5"})
             if self._info is None:
                 self._info = ModelInfo(self.name, e.tokenizer, e.context_length,
-                                       e.vocab_size, self.config, e.vision)
+                                       e.vocab_size, self.config, e.vision,
+                                       e.parsers or pick_parsers(
+                                           None, None, self.config.tool_call_parser,
+                                           self.config.reasoning_parser),
+                                       e.template_style)
             return self._info
         if e.state in ("loading", "pending"):
             raise APIError(503, f"Model '{self.name}' is still loading; retry shortly.",

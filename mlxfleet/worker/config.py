@@ -95,7 +95,7 @@ class WorkerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _parsers(self):
-        from .parsers import REASONING_PARSERS, TOOL_PARSERS
+        from ..formats import REASONING_PARSERS, TOOL_PARSERS
 
         if self.tool_call_parser not in (None, *TOOL_PARSERS):
             raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one "

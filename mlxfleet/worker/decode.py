@@ -27,6 +27,14 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def marker_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the markers tool-call and reasoning parsers read (``formats.MARKERS``)."""
+    from ..formats import MARKERS
+
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[m] for m in MARKERS if m in vocab)
+
+
 class SequenceDecoder:
     """One sequence's visible text, token by token."""
 

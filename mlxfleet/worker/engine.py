@@ -23,8 +23,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from ..formats import pick_parsers
 from .config import WorkerConfig
-from .decode import SequenceDecoder, special_token_ids
+from .decode import SequenceDecoder, marker_ids, special_token_ids
 from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
 from .model_facts import (
     KVCost,
@@ -39,6 +40,7 @@ from .model_facts import (
 )
 from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache, compact
+from .prompts import template_style
 from .sampling import Samplers, SamplingParams, logits_processors
 
 log = logging.getLogger("mlxfleet.engine")
@@ -113,6 +115,9 @@ class Engine:
         self.busy = False
         self.memory_limit: Optional[int] = None  # MLX's limit, set after the load
         self.vision: Any = None  # a vision.VisionModel when the model reads images
+        self.parsers: Any = None  # formats.Parsers, picked at load
+        self.template_style: Any = None  # prompts.TemplateStyle, read at load
+        self.paths: dict[str, Any] = {}  # the exact paths this architecture takes
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
         self._joined = False  # the last step moved prompts from prefill to generation
         self._last_arrival = self._previous_arrival = float("-inf")  # submit times
@@ -285,8 +290,15 @@ class Engine:
         # prompt too: the next turn of the conversation extends that prompt.
         self._snapshots = not self.config.sharded and (
             recurrent(self._model) or "RotatingKVCache" in kinds)
+        cfg = self.config
+        template, self.template_style = template_style(
+            getattr(self.tokenizer, "chat_template", None))
+        if template is not None and template != self.tokenizer.chat_template:
+            self.tokenizer.chat_template = template
+        self.parsers = pick_parsers(model_type, getattr(self.tokenizer, "chat_template", None),
+                                    cfg.tool_call_parser, cfg.reasoning_parser)
         self.paths = {
-            "model_type": model_type, "caches": kinds,
+            "model_type": model_type, "caches": kinds, "parsers": self.parsers.as_dict(),
             "prefill": "one prompt at a time: padding would run through the recurrent "
                        "state" if self._prefill_alone else "batched",
             "prefix_reuse": "prompt ends: a cache with recurrent state or a sliding "
@@ -327,7 +339,8 @@ class Engine:
         self._samplers = Samplers()
         self._pending: collections.deque[Generation] = collections.deque()
         self._no_stop = StopSequences(None)
-        self._special = special_token_ids(self.tokenizer)
+        # (markers the output parsers read stay in the text even when they are special)
+        self._special = special_token_ids(self.tokenizer) - marker_ids(self.tokenizer)
         self._reserved = 0
         self.prompt_cache = self._new_prompt_cache()
         if cfg.sharded and cfg.dist_rank == 0:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..formats import REASONING_PARSERS, TOOL_PARSERS
+
 Call = dict[str, Any]  # {"name": str, "arguments": dict}
 
 
@@ -121,8 +123,7 @@ _FORMATS: dict[str, Callable[[], ToolFormat]] = {
     "xlam": lambda: ToolFormat("xlam", None, None, json_calls),
     "functionary": lambda: ToolFormat("functionary", None, None, _functionary),
 }
-TOOL_PARSERS = sorted([*_FORMATS, "auto"])
-REASONING_PARSERS = ["qwen3", "deepseek_r1"]
+_FORMATS["harmony"] = lambda: HARMONY  # read by HarmonySplitter, not by markers
 
 
 def tool_format(name: Optional[str], tokenizer: Any) -> ToolFormat:
@@ -266,7 +267,7 @@ def _partial(buf: str, marker: str) -> int:
 
 
 def think_markers(name: Optional[str], tokenizer: Any) -> Optional[tuple[str, str]]:
-    if not name:
+    if not name or name == "harmony":  # (harmony's channels: HarmonySplitter)
         return None
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of: "
@@ -278,3 +279,86 @@ def think_markers(name: Optional[str], tokenizer: Any) -> Optional[tuple[str, st
 
 def arguments_json(call: Call) -> str:
     return json.dumps(call["arguments"], ensure_ascii=False)
+
+
+HARMONY = ToolFormat("harmony", None, None, lambda text, tools=None: [])
+_H_START, _H_MESSAGE, _H_ENDS = "<|start|>", "<|message|>", ("<|end|>", "<|call|>",
+                                                              "<|return|>")
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+class HarmonySplitter:
+    """gpt-oss's harmony output as (content | reasoning) pieces and calls: each message
+    is a header (``<|channel|>analysis``, ``to=functions.NAME``...) then ``<|message|>``
+    and its body, ending at ``<|end|>`` (or ``<|call|>``/``<|return|>``, end-of-sequence
+    tokens the text usually lacks). The analysis channel is reasoning; a message to
+    ``functions.NAME`` is a call whose body is the JSON arguments; the rest is content.
+    Same interface as ``OutputSplitter``."""
+
+    def __init__(self, tool_defs: Any = None):
+        self.tool_defs = tool_defs
+        self.state = "header"  # the output starts after the prompt's <|start|>assistant
+        self.header = self.buf = self.args = ""
+        self.kind, self.name = "content", None
+        self.calls: list[Call] = []
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.buf += text
+        out: list[tuple[str, Any]] = []
+        while self.buf:
+            markers = [_H_MESSAGE] if self.state == "header" else [*_H_ENDS, _H_START]
+            hit = min(((self.buf.find(m), m) for m in markers if m in self.buf), default=None)
+            if hit is None:
+                keep = max(_partial(self.buf, m) for m in markers)
+                self._take(out, self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            pos, marker = hit
+            self._take(out, self.buf[:pos])
+            self.buf = self.buf[pos + len(marker):]
+            if marker == _H_MESSAGE:
+                self._open()
+            else:
+                self._close(out)
+                self.state = "header"
+        return out
+
+    def finish(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        self._take(out, self.buf)
+        self.buf = ""
+        if self.state == "header" and self.header.strip():
+            # never reached <|message|>: not harmony after all; show it rather than lose it
+            out.append(("content", self.header))
+        self._close(out)
+        return out
+
+    def _take(self, out: list, text: str) -> None:
+        if not text:
+            return
+        if self.state == "header":
+            self.header += text
+        elif self.kind == "call":
+            self.args += text
+        else:
+            out.append((self.kind, text))
+
+    def _open(self) -> None:
+        channel = _CHANNEL.search(self.header)
+        to = _RECIPIENT.search(self.header)
+        self.name = to.group(1) if to else None
+        self.kind = "call" if to else "reasoning" if channel and \
+            channel.group(1) == "analysis" else "content"
+        self.state, self.header, self.args = "body", "", ""
+
+    def _close(self, out: list) -> None:
+        if self.state == "body" and self.kind == "call":
+            try:
+                args = json.loads(self.args) if self.args.strip() else {}
+                call = {"name": self.name, "arguments": args if isinstance(args, dict) else {}}
+                out.append(("call", call))
+                self.calls.append(call)
+            except ValueError:  # not JSON: show what the model wrote
+                out.append(("content", self.args))
+        self.state, self.header, self.kind = "header", "", "content"

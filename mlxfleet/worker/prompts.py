@@ -7,6 +7,8 @@ plain Python/Rust. Every protocol arrives here as the same ``GenRequest``.
 from __future__ import annotations
 
 import functools
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,6 +88,8 @@ class ModelInfo:
     vocab_size: int
     defaults: WorkerConfig
     vision: Any = None  # the engine's vision.VisionModel: its processor and image token
+    parsers: Any = None  # formats.Parsers: the tool-call and reasoning formats parsed
+    template_style: Optional[TemplateStyle] = None
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -109,6 +113,7 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
         return tok.encode(text + "assistant:") if tokenize else text + "assistant:"
     messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                 for m in messages]
+    messages = for_template(messages, info.template_style)
     try:
         try:
             ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
@@ -127,6 +132,54 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+@dataclass(frozen=True)
+class TemplateStyle:
+    """How a chat template expects an assistant turn that calls tools."""
+
+    null_content: bool = False  # it tests ``content is none`` (DeepSeek V3): no content
+    string_arguments: bool = False  # it writes ``arguments`` as is: a JSON string
+
+
+_IS_NONE = re.compile(r"(message(?:\['content'\]|\[\"content\"\]|\.content))\s+is\s+(not\s+)?none")
+_ARGS_AS_IS = re.compile(r"(\[['\"]arguments['\"]\]|\.arguments)\s*\+")
+
+
+def template_style(template: Optional[str]) -> tuple[Optional[str], TemplateStyle]:
+    """Read how ``template`` renders tool-calling turns; returns the template to use
+    and its style. transformers (>= 5) drops every None-valued message key before
+    rendering, so a template that tests ``content is none`` (DeepSeek V3's renders tool
+    calls only then) would never see one: such tests are rewritten to also hold for a
+    missing key."""
+    if not isinstance(template, str):
+        return template, TemplateStyle()
+    null = bool(_IS_NONE.search(template))
+    if null:
+        template = _IS_NONE.sub(lambda m: f"({m.group(1)} is defined and {m.group(1)} is not none)"
+                                if m.group(2) else
+                                f"({m.group(1)} is not defined or {m.group(1)} is none)", template)
+    return template, TemplateStyle(null, bool(_ARGS_AS_IS.search(template))
+                                   and "arguments is string" not in template)
+
+
+def for_template(messages: list[dict[str, Any]], style: Optional[TemplateStyle]
+                 ) -> list[dict[str, Any]]:
+    """Assistant turns with tool calls in the shape ``style`` says the template reads."""
+    if style is None or not (style.null_content or style.string_arguments):
+        return messages
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m = dict(m)
+            if style.null_content and not m.get("content"):
+                m.pop("content", None)
+            if style.string_arguments:
+                m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": (
+                    a if isinstance(a := tc["function"].get("arguments"), str)
+                    else json.dumps(a, ensure_ascii=False))}} for tc in m["tool_calls"]]
+        out.append(m)
+    return out
 
 
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,10 +210,15 @@ class OutputPlan:
     starts_in_reasoning: bool = False
     forced_tool: bool = False  # tool_choice required/named: the output is one JSON call
     custom_call: Optional[str] = None  # a forced freeform tool: the output is its input
+    harmony: bool = False  # gpt-oss's channels: reasoning, content and calls in one format
 
     def splitter(self, tools: Any):
         from .parsers import OutputSplitter
 
+        if self.harmony:
+            from .parsers import HarmonySplitter
+
+            return HarmonySplitter(tools)
         if self.tool_format is None and self.think is None:
             return None
         return OutputSplitter(self.tool_format, tools, self.think, self.starts_in_reasoning)
@@ -173,7 +231,8 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
 
     plan = OutputPlan()
     tok = info.tokenizer
-    plan.think = think_markers(info.defaults.reasoning_parser, tok)
+    plan.think = think_markers(info.parsers.reasoning, tok)
+    plan.harmony = info.parsers.tool_call == "harmony" and not req.forces_a_call
     if plan.think:
         tail = tok.decode(prompt[-8:]).rstrip()
         plan.starts_in_reasoning = tail.endswith(plan.think[0])
@@ -188,7 +247,9 @@ def output_plan(info: ModelInfo, req: GenRequest, prompt: list[int]) -> OutputPl
                            code="invalid_value") from None
         plan.forced_tool = True
     elif req.tools and choice != "none" and info.defaults.auto_tool_choice:
-        plan.tool_format = tool_format(info.defaults.tool_call_parser, tok)
+        picked = info.parsers.tool_call  # (hermes: the tokenizer's own parser, if any)
+        plan.tool_format = tool_format(
+            picked if picked != "hermes" else info.defaults.tool_call_parser, tok)
     elif req.forces_a_call:
         raise APIError(400, "tool_choice requires tools.", param="tool_choice",
                        code="invalid_value")
