@@ -30,9 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from compare import BLAS, PY, Proc, free_port, wait_http  # noqa: E402
-
 import httpx  # noqa: E402
+from compare import BLAS, PY, Proc, free_port, wait_http  # noqa: E402
 
 from mlxfleet.bench import run_bench  # noqa: E402
 from mlxfleet.builtin import builtin_cache_dir  # noqa: E402

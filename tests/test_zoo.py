@@ -30,7 +30,7 @@ def zoo_root():
     return builtin_cache_dir().parent / "zoo"
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache  # (tiny models: each family is loaded once)
 def reference(path: str):
     """mlx-lm alone on the checkpoint: (model, tokenizer, greedy ids for a prompt)."""
     from mlx_lm import load
@@ -271,6 +271,12 @@ def test_what_a_family_template_writes_its_parsers_read_back(family, zoo_root):
         assert content.strip() == ""
         if THOUGHT in written:  # (templates that write the reasoning back)
             assert reasoning.strip() == THOUGHT
+    # the next turn's prompt keeps the call and carries the tool's result
+    result = {"role": "tool", "tool_call_id": "abcDEF123", "name": "get_weather",
+              "content": "sunny, 24 C"}
+    then = tok.apply_chat_template(for_template(asked + [turn, result], style), tools=TOOLS,
+                                   add_generation_prompt=True, tokenize=False)
+    assert "sunny, 24 C" in then and "Paris" in then[len(prompt):]
     # reasoning off: a template that closes the thought in the prompt starts in content
     if "enable_thinking" in template:
         off = tok.apply_chat_template(asked, add_generation_prompt=True, tokenize=False,
