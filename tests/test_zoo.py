@@ -254,7 +254,7 @@ def test_what_a_family_template_writes_its_parsers_read_back(family, zoo_root):
                       harmony=parsers.tool_call == "harmony")
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
     turn = {"role": "assistant", "content": "", "reasoning_content": THOUGHT,
-            "tool_calls": [{"id": "abcDEF123", "type": "function",
+            "tool_calls": [{"id": "call_0123456789abcdef01234567", "type": "function",
                             "function": {"name": "get_weather",
                                          "arguments": {"city": "Paris"}}}]}
     prompt = tok.apply_chat_template(asked, tools=TOOLS, add_generation_prompt=True,
@@ -272,7 +272,8 @@ def test_what_a_family_template_writes_its_parsers_read_back(family, zoo_root):
         if THOUGHT in written:  # (templates that write the reasoning back)
             assert reasoning.strip() == THOUGHT
     # the next turn's prompt keeps the call and carries the tool's result
-    result = {"role": "tool", "tool_call_id": "abcDEF123", "name": "get_weather",
+    result = {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567",
+              "name": "get_weather",
               "content": "sunny, 24 C"}
     then = tok.apply_chat_template(for_template(asked + [turn, result], style), tools=TOOLS,
                                    add_generation_prompt=True, tokenize=False)

@@ -7,6 +7,7 @@ plain Python/Rust. Every protocol arrives here as the same ``GenRequest``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import time
@@ -140,6 +141,7 @@ class TemplateStyle:
 
     null_content: bool = False  # it tests ``content is none`` (DeepSeek V3): no content
     string_arguments: bool = False  # it writes ``arguments`` as is: a JSON string
+    short_ids: bool = False  # it takes only 9-character call ids (Mistral's)
 
 
 _IS_NONE = re.compile(r"(message(?:\['content'\]|\[\"content\"\]|\.content))\s+is\s+(not\s+)?none")
@@ -160,16 +162,27 @@ def template_style(template: Optional[str]) -> tuple[Optional[str], TemplateStyl
                                 if m.group(2) else
                                 f"({m.group(1)} is not defined or {m.group(1)} is none)", template)
     return template, TemplateStyle(null, bool(_ARGS_AS_IS.search(template))
-                                   and "arguments is string" not in template)
+                                   and "arguments is string" not in template,
+                                   "length != 9" in template)
+
+
+def short_id(call_id: Any) -> Any:
+    """A call id as Mistral's templates take it (9 letters and digits; the same id
+    always gives the same short one, so a call and its result still pair up)."""
+    if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum()):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def for_template(messages: list[dict[str, Any]], style: Optional[TemplateStyle]
                  ) -> list[dict[str, Any]]:
     """Assistant turns with tool calls in the shape ``style`` says the template reads."""
-    if style is None or not (style.null_content or style.string_arguments):
+    if style is None or not (style.null_content or style.string_arguments or style.short_ids):
         return messages
     out = []
     for m in messages:
+        if style.short_ids and m.get("tool_call_id"):
+            m = {**m, "tool_call_id": short_id(m["tool_call_id"])}
         if m.get("role") == "assistant" and m.get("tool_calls"):
             m = dict(m)
             if style.null_content and not m.get("content"):
@@ -178,6 +191,8 @@ def for_template(messages: list[dict[str, Any]], style: Optional[TemplateStyle]
                 m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": (
                     a if isinstance(a := tc["function"].get("arguments"), str)
                     else json.dumps(a, ensure_ascii=False))}} for tc in m["tool_calls"]]
+            if style.short_ids:
+                m["tool_calls"] = [{**tc, "id": short_id(tc.get("id"))} for tc in m["tool_calls"]]
         out.append(m)
     return out
 
