@@ -48,8 +48,10 @@ SYSTEM = ("You are a coding agent working in a repository. Read files before edi
 # system prompts run to thousands of tokens: Claude Code's is over 10k)
 
 
-def turns(nonce: str = "") -> list[list[dict]]:
-    """The conversation's ten prompts, each extending the previous one."""
+def turns(nonce: str = "", tools: bool = True) -> list[list[dict]]:
+    """The conversation's ten prompts, each extending the previous one; without
+    ``tools`` (templates that cannot write tool turns, Gemma 3's) the same text goes in
+    plain assistant and user turns."""
     msgs = [{"role": "system", "content": nonce + SYSTEM},
             {"role": "user", "content": "Find where the server binds its port and explain."}]
     out = [list(msgs)]
@@ -57,18 +59,22 @@ def turns(nonce: str = "") -> list[list[dict]]:
         call = {"id": f"call{i:05d}x", "type": "function",
                 "function": {"name": "read_file",
                              "arguments": json.dumps({"path": f"src/module_{i}.py"})}}
+        result = f"# module {i}\n" + "def handler(request):\n    return 42\n" * 6
         msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call["id"], "name": "read_file",
-                  "content": f"# module {i}\n" + "def handler(request):\n    return 42\n" * 6}]
+                  "content": result}] if tools else [
+                 {"role": "assistant", "content": f"read_file {call['function']['arguments']}"},
+                 {"role": "user", "content": result}]
         out.append(list(msgs))
     return out
 
 
-def ask(url: str, messages: list[dict]) -> tuple[float, int, int]:
+def ask(url: str, model: str, messages: list[dict], tools: bool = True
+        ) -> tuple[float, int, int]:
     """(time to the first token, prompt tokens, prompt tokens served from the cache): a
     one-token answer, so the parsers cannot hold the first text back."""
-    body = {"model": "m", "messages": messages, "tools": TOOLS, "max_tokens": 1,
-            "temperature": 0}
+    body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
+            **({"tools": TOOLS} if tools else {})}
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     took = time.perf_counter() - t0
@@ -78,18 +84,24 @@ def ask(url: str, messages: list[dict]) -> tuple[float, int, int]:
     return took, usage.get("prompt_tokens", 0), cached
 
 
-def agent_turns(url: str) -> dict:
+def agent_turns(url: str, model: str) -> dict:
+    try:
+        ask(url, model, turns("probe\n")[1])  # (its own prefix: it primes nothing)
+        tools = True
+    except httpx.HTTPStatusError:  # a template without tool turns: plain chat turns
+        tools = False
     warm, cold = [], []
-    for w, c in zip(turns(), turns(uuid.uuid4().hex + "\n")):  # interleaved: same warmth
-        cold.append(ask(url, c))
-        warm.append(ask(url, w))
+    for w, c in zip(turns("", tools), turns(uuid.uuid4().hex + "\n", tools)):
+        cold.append(ask(url, model, c, tools))  # (interleaved: both equally warm)
+        warm.append(ask(url, model, w, tools))
     later = warm[1:]
     prompt = sum(p for _, p, _ in later)
     before = sum(p for _, p, _ in warm[:-1])  # an ideal cache: all of the previous prompt
     return {"cached_share": sum(c for _, _, c in later) / prompt if prompt else None,
             "of_reusable": sum(c for _, _, c in later) / before if prompt else None,
             "ttft_warm_ms": 1000 * statistics.median(t for t, _, _ in later),
-            "ttft_cold_ms": 1000 * statistics.median(t for t, _, _ in cold[1:])}
+            "ttft_cold_ms": 1000 * statistics.median(t for t, _, _ in cold[1:]),
+            "tool_turns": tools}
 
 
 def throughput(url: str, model: str, streams: int, max_tokens: int) -> float:
@@ -118,9 +130,9 @@ def family(name: str, args, tmp: Path) -> dict:
             for who, url in urls.items():
                 model = "m" if who == "mlxfleet" else str(path)
                 out[f"{who}_{streams}"] = throughput(url, model, streams, args.max_tokens)
-        out["agent"] = agent_turns(urls["mlxfleet"])
+        out["agent"] = agent_turns(urls["mlxfleet"], "m")
         try:  # (it reports no cached tokens when streaming: its TTFT tells)
-            out["agent_mlx_lm"] = agent_turns(urls["mlx_lm"])
+            out["agent_mlx_lm"] = agent_turns(urls["mlx_lm"], str(path))
         except Exception as e:  # noqa: BLE001 - a template mlx_lm.server cannot render
             out["agent_mlx_lm"] = {"error": f"{type(e).__name__}: {e}"}
         return out
@@ -149,7 +161,8 @@ def table(results: dict) -> str:
         rows.append(
             f"| {name} | {r['mlxfleet_1']:.1f} ({r['mlxfleet_1'] / r['mlx_lm_1']:.2f}x) | "
             f"{r['mlxfleet_8']:.1f} ({r['mlxfleet_8'] / r['mlx_lm_8']:.2f}x) | "
-            f"{pct(a['cached_share'])} ({pct(a['of_reusable'])}) | {a['ttft_warm_ms']:.0f} / "
+            f"{pct(a['cached_share'])} ({pct(a['of_reusable'])})"
+            f"{'' if a['tool_turns'] else ' chat turns'} | {a['ttft_warm_ms']:.0f} / "
             f"{a['ttft_cold_ms']:.0f} ms | {theirs} | {fallback} |")
     return "\n".join(rows)
 
