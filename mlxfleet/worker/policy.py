@@ -35,7 +35,11 @@ class AdmissionPolicy:
     batch_wait: float = 0.02  # seconds an idle engine gathers a burst, at most
     batch_gap: float = 0.005  # ...as long as requests arrive closer together than this
     admit_wait: float = 0.05  # while decoding, how long new arrivals may gather
-    burst_window: float = 0.05  # an arrival this soon after the previous one is a burst
+    #: An arrival this soon after the previous one is a burst. Short: an idle engine means
+    #: the previous request is done, and a client that sends its next request as soon as
+    #: it has the answer (an agent loop) must not wait ``batch_wait`` each time (it did,
+    #: at 50 ms: ~18 ms more time to first token per turn on small models).
+    burst_window: float = 0.005
 
     def gathers(self, announced: int, since_previous: float) -> bool:
         """Whether an idle engine should wait for company before starting the request
