@@ -30,6 +30,7 @@ from ..wire import (
     streaming_response,
 )
 from .engine import Engine
+from .generation import EngineState
 from .images import load as load_images
 from .images import trim_heap, vision_prompt
 from .pipeline import Pipeline
@@ -62,9 +63,9 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
     @app.get("/health")
     async def health():
         problem = engine.problem() if hasattr(engine, "problem") else None
-        state = "failed" if problem else engine.state
-        ok = state == "ready"
-        body = {"status": "ok" if ok else state, "model": name, "state": state,
+        state = EngineState.FAILED if problem else EngineState(engine.state)
+        ok = state == EngineState.READY
+        body = {"status": "ok" if ok else state.value, "model": name, "state": state.value,
                 "source": engine.source, "task": task, "blas": blas.active}
         if problem or engine.error:
             body["error"] = problem or engine.error
@@ -76,16 +77,16 @@ def common_routes(app: Quart, name: str, task: str, engine: Any,
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "task": task,
                                             "created": int(started), "owned_by": "mlxfleet",
-                                            "state": engine.state}]}
+                                            "state": str(engine.state)}]}
 
     @app.get("/v1/status")
     async def status_route():
         """vllm-mlx's documented shape (status, counters, ``metal``, ``cache``,
         ``requests``), then our own fields."""
         st = status()
-        return {"status": seed_state(engine.state), "model": name,
+        return {"status": seed_state(str(engine.state)), "model": name,
                 "uptime_s": round(time.time() - started, 3), **seed_counters(st),
-                "state": engine.state, "source": engine.source, "task": task,
+                "state": str(engine.state), "source": engine.source, "task": task,
                 "load_seconds": engine.load_seconds, "blas": blas.active, **st}
 
     other = EMBED_ROUTES if task == "generate" else GENERATE_ROUTES
@@ -186,7 +187,7 @@ class Worker:
 
     def model_info(self) -> ModelInfo:
         e = self.engine
-        if e.state == "ready":
+        if e.state == EngineState.READY:
             problem = e.problem()
             if problem:
                 raise APIError(503, f"Model '{self.name}' cannot serve: {problem}; it will "
@@ -200,7 +201,7 @@ class Worker:
                                            self.config.reasoning_parser),
                                        e.template_style)
             return self._info
-        if e.state in ("loading", "pending"):
+        if e.state in (EngineState.LOADING, EngineState.PENDING):
             raise APIError(503, f"Model '{self.name}' is still loading; retry shortly.",
                            type="service_unavailable", code="model_loading",
                            headers={"Retry-After": "1"})

@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .generation import EngineState
+
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -141,7 +143,7 @@ class EmbeddingEngine:
 
     def __init__(self, source: str, revision: Optional[str] = None):
         self.source, self.revision = source, revision
-        self.state, self.error = "pending", None
+        self.state, self.error = EngineState.PENDING, None
         self.tokenizer: Any = None
         self.context_length: Optional[int] = None
         self.load_seconds: Optional[float] = None
@@ -150,16 +152,16 @@ class EmbeddingEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlx-embed")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.state = "loading"
+        self.state = EngineState.LOADING
         self._pool.submit(self._load_safely)
 
     def _load_safely(self) -> None:
         try:
             self._load()
-            self.state = "ready"
+            self.state = EngineState.READY
         except Exception as e:  # noqa: BLE001 - reported through /health
             self.error = f"{type(e).__name__}: {e}"
-            self.state = "failed"
+            self.state = EngineState.FAILED
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -220,7 +222,7 @@ class EmbeddingEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.state = "stopped"
+        self.state = EngineState.STOPPED
 
 
 def encode_vector(v: list[float], fmt: str) -> Union[list[float], str]:
@@ -243,7 +245,7 @@ def create_embedding_app(engine: EmbeddingEngine, name: str):
         "requests_total": engine.requests_total, "prompt_tokens_total": engine.tokens_total})
 
     def ready() -> None:
-        if engine.state != "ready":
+        if engine.state != EngineState.READY:
             raise APIError(503, f"Model '{name}' is not available: "
                            f"{engine.error or engine.state}", type="service_unavailable",
                            code="model_unavailable", headers={"Retry-After": "1"})

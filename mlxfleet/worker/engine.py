@@ -26,7 +26,14 @@ from typing import Any, Optional
 from ..formats import pick_parsers
 from .config import WorkerConfig
 from .decode import SequenceDecoder, marker_ids, special_token_ids
-from .generation import EngineError, EngineStats, Generation, Rejected, TokenEvent
+from .generation import (
+    EngineError,
+    EngineState,
+    EngineStats,
+    Generation,
+    Rejected,
+    TokenEvent,
+)
 from .model_facts import (
     KVCost,
     cache_kinds,
@@ -93,7 +100,7 @@ class Engine:
         self.source = config.source
         self.config = config
         self._policy_override = policy
-        self.state = "pending"  # pending -> loading -> ready | failed; stopped
+        self.state = EngineState.PENDING
         self.error: Optional[str] = None
         self.tokenizer: Any = None
         self.model_path: Optional[str] = None
@@ -126,13 +133,13 @@ class Engine:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.state = "loading"
+        self.state = EngineState.LOADING
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
     def problem(self) -> Optional[str]:
         """Why a ready engine cannot serve (its thread died or is stuck), else None."""
-        if self.state != "ready":
+        if self.state != EngineState.READY:
             return None
         if self._thread is not None and not self._thread.is_alive():
             return "the engine thread is not running"
@@ -168,7 +175,7 @@ class Engine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
-        self.state = "stopped"
+        self.state = EngineState.STOPPED
 
     # ---- engine thread ---------------------------------------------------
 
@@ -178,11 +185,11 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - any load failure is reported, not raised
             log.exception("loading %s failed", self.source)
             self.error = f"{type(e).__name__}: {e}"
-            self.state = "failed"
+            self.state = EngineState.FAILED
             self._ready.set()
             self._fail_pending()
             return
-        self.state = "ready"
+        self.state = EngineState.READY
         self._publish(force=True)
         self._ready.set()
         try:
@@ -206,7 +213,7 @@ class Engine:
                 logging.shutdown()
                 os._exit(GROUP_LOST)
             self.error = f"engine crashed: {type(e).__name__}: {e}"
-            self.state = "failed"
+            self.state = EngineState.FAILED
             self._fail_active(self.error)
             self._fail_pending()
         finally:

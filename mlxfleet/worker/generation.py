@@ -5,9 +5,24 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 from .sampling import SamplingParams
+
+
+class EngineState(str, Enum):
+    """A model engine's life (generation or embeddings): pending -> loading -> ready |
+    failed; stopped. What ``/health`` and ``/v1/status`` say as ``state``."""
+
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:  # (a str-mixin enum prints its name before Python 3.11)
+        return self.value
 
 
 @dataclass
