@@ -9,6 +9,7 @@ This works the same on Linux and macOS (unlike ``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import logging.handlers
 import os
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import httpx
 
 from ..manifest import Manifest
-from .handle import InflightCounter
+from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
 from .uds_client import UDSClient, UpstreamResponse
 from .worker_config import worker_config
 
@@ -53,7 +54,6 @@ class WorkerProcess(InflightCounter):
         self._parent_w: Optional[int] = None
         self._log_task: Optional[asyncio.Task] = None
         self._logger = _file_logger(log_path, log_max_bytes, log_backups)
-        self._client: Optional[httpx.AsyncClient] = None  # status and health
         self._uds: Optional[UDSClient] = None  # forwarded requests
 
     @property
@@ -81,28 +81,33 @@ class WorkerProcess(InflightCounter):
         except Exception:  # noqa: BLE001 - the process may be gone already
             return None
 
-    @property
-    def client(self) -> httpx.AsyncClient:
-        """A pooled HTTP client over this worker's Unix socket."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path)),
-                base_url="http://worker",
-                timeout=httpx.Timeout(None, connect=10.0))
-        return self._client
+    def _pool(self) -> UDSClient:
+        """The keep-alive connections to this worker's socket: requests, health and
+        status all go through them."""
+        if self._uds is None:
+            self._uds = UDSClient(self.socket_path)
+        return self._uds
 
     async def forward(self, method: str, path: str, body: bytes,
                       headers: dict[str, str]) -> UpstreamResponse:
         """Send one request and return the response, its body still streaming."""
-        if self._uds is None:
-            self._uds = UDSClient(self.socket_path)
-        return await self._uds.request(method, path, body, headers)
+        return await self._pool().request(method, path, body, headers)
 
     async def get_json(self, path: str, timeout: float) -> Optional[dict]:
+        """A small JSON answer (``/health``, ``/v1/status``); None when the worker does
+        not give one within ``timeout`` seconds."""
+        got: list[UpstreamResponse] = []
+
+        async def fetch() -> Any:
+            got.append(await self._pool().request("GET", path, b"", {}))
+            return json.loads(await got[0].aread())
+
         try:
-            r = await self.client.get(path, timeout=timeout)
-            return r.json()
-        except (httpx.HTTPError, ValueError):
+            return await asyncio.wait_for(fetch(), timeout)
+        except (asyncio.TimeoutError, WorkerUnreachable, WorkerFailed, httpx.HTTPError,
+                ValueError, OSError):
+            if got:
+                await got[0].aclose()  # (half read: the connection is not reused)
             return None
 
     async def spawn(self) -> None:
@@ -193,9 +198,6 @@ class WorkerProcess(InflightCounter):
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._log_task.cancel()
             self._log_task = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
         if self._uds is not None:
             self._uds.close()
             self._uds = None
