@@ -9,7 +9,7 @@ conversation with tool calls and tool results, and those turns' TTFT with and wi
 The conversation is an agent loop: a system prompt and tool definitions, then each turn
 the assistant's tool call and the tool's result (text the model did not write: the client
 sends it, as agents do), so reuse only comes from what the server kept of earlier
-prompts. "Without" sends the same turn with a fresh first line (nothing to reuse).
+prompts. "Without" (cold) sends the same turn with a fresh first line (nothing to reuse).
 Random weights: the models are tiny, only ratios in one run mean anything.
 """
 
@@ -91,8 +91,8 @@ def agent_turns(url: str, model: str) -> dict:
     except httpx.HTTPStatusError:  # a template without tool turns: plain chat turns
         tools = False
     warm, cold = [], []
-    for w, c in zip(turns("", tools), turns(uuid.uuid4().hex + "\n", tools)):
-        cold.append(ask(url, model, c, tools))  # (interleaved: both equally warm)
+    for i, w in enumerate(turns("", tools)):  # interleaved: both equally warm
+        cold.append(ask(url, model, turns(uuid.uuid4().hex + "\n", tools)[i], tools))
         warm.append(ask(url, model, w, tools))
     later = warm[1:]
     prompt = sum(p for _, p, _ in later)
@@ -145,14 +145,19 @@ def pct(x) -> str:
     return f"{100 * x:.0f}%" if x is not None else "n/a"
 
 
+def agent(a: dict) -> str:
+    return (f"{pct(a['cached_share'])} ({pct(a['of_reusable'])})"
+            f"{'' if a['tool_turns'] else ' chat turns'}, {a['ttft_warm_ms']:.0f} / "
+            f"{a['ttft_cold_ms']:.0f} ms")
+
+
 def table(results: dict) -> str:
     rows = ["| family | tok/s 1 stream (vs mlx_lm.server) | tok/s 8 streams (vs) | "
-            "agent turns 2-10 from cache (of the reusable) | TTFT warm / cold | "
-            "mlx_lm.server TTFT warm / cold | exact paths |", "|---|---|---|---|---|---|---|"]
+            "agent turns 2-10 from cache (of the reusable), TTFT warm / cold | "
+            "the same, mlx_lm.server | exact paths |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         a, b = r["agent"], r["agent_mlx_lm"]
-        theirs = f"{b['ttft_warm_ms']:.0f} / {b['ttft_cold_ms']:.0f} ms" if "ttft_warm_ms" in b \
-            else b["error"][:40]
+        theirs = agent(b) if "ttft_warm_ms" in b else b["error"][:40]
         p = r["paths"]
         fallback = "; ".join(x for x in (
             "prefill one at a time" if p.get("prefill", "").startswith("one") else "",
@@ -161,9 +166,7 @@ def table(results: dict) -> str:
         rows.append(
             f"| {name} | {r['mlxfleet_1']:.1f} ({r['mlxfleet_1'] / r['mlx_lm_1']:.2f}x) | "
             f"{r['mlxfleet_8']:.1f} ({r['mlxfleet_8'] / r['mlx_lm_8']:.2f}x) | "
-            f"{pct(a['cached_share'])} ({pct(a['of_reusable'])})"
-            f"{'' if a['tool_turns'] else ' chat turns'} | {a['ttft_warm_ms']:.0f} / "
-            f"{a['ttft_cold_ms']:.0f} ms | {theirs} | {fallback} |")
+            f"{agent(a)} | {theirs} | {fallback} |")
     return "\n".join(rows)
 
 

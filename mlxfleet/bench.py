@@ -14,6 +14,7 @@ import json
 import statistics
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -83,6 +84,19 @@ def make_prompt(n_words: int, salt: str = "") -> str:
     return salt + " ".join(words[i % len(words)] for i in range(n_words))
 
 
+async def sse_lines(r: httpx.Response) -> AsyncIterator[str]:
+    """An event stream's lines, split only where SSE splits them (CR, LF): httpx's
+    ``aiter_lines`` also splits at U+2028 and friends, which JSON strings may hold raw."""
+    buf = b""
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if buf:
+        yield buf.decode("utf-8", "replace")
+
+
 async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> RequestResult:
     t0 = time.perf_counter()
     last = None
@@ -92,7 +106,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Reque
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 obj = json.loads(line[6:])
