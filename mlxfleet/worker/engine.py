@@ -621,12 +621,15 @@ class Engine:
         cache = cache if cache is not None else make_prompt_cache(self._model)
         x = mx.array(rest)[None]
         step = self.config.prefill_step_size
-        last = 1 if self._snapshots else 0  # the last token on its own, after the snapshot
-        while x.shape[1] > last and (x.shape[1] > step or last):
-            self._model(x[:, :min(step, x.shape[1] - last)], cache=cache)
+        # All but the last token, evaluating only the cache: the logits of those positions
+        # are never computed (a prompt's worth of vocabulary projections, most of the work
+        # on a small model with a large vocabulary); then the last token alone.
+        while x.shape[1] > 1:
+            n = min(step, x.shape[1] - 1)
+            self._model(x[:, :n], cache=cache)
             mx.eval([c.state for c in cache])
-            x = x[:, min(step, x.shape[1] - last):]
-        if last and len(rest) > 1:
+            x = x[:, n:]
+        if self._snapshots and len(rest) > 1:  # the cache as the prompt's end left it
             self.prompt_cache.store(list(gen.prompts[0][:-1]), copy.deepcopy(cache),
                                     self.policy.budget - self._reserved)
         logits = self._model(x, cache=cache)[:, -1, :]
