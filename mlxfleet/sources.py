@@ -101,3 +101,27 @@ def is_vision_checkpoint(path: Path) -> bool:
         return False
     return isinstance(config.get("vision_config"), dict)
 
+
+
+#: RoPE scalings whose factor stretches the trained context (vLLM's rule); "llama3" and
+#: "longrope" configs already state the stretched length in max_position_embeddings.
+_STRETCHING = {"yarn", "linear", "dynamic"}
+
+
+def config_context_length(config: dict) -> Optional[int]:
+    """The longest sequence a checkpoint's ``config.json`` allows: its positions, stretched
+    by a RoPE scaling such as YaRN (Qwen3's 32k x 4 = 128k). The worker (after loading) and
+    the gateway (``/api/show``, from the file) both ask this."""
+    text = config.get("text_config") or {}
+    for key in ("max_position_embeddings", "max_sequence_length", "max_seq_len",
+                "n_positions", "seq_length"):
+        v = config.get(key) or text.get(key)
+        if isinstance(v, int) and v > 0:
+            scaling = config.get("rope_scaling") or text.get("rope_scaling") or {}
+            kind = scaling.get("rope_type") or scaling.get("type")
+            factor = scaling.get("factor")
+            if kind in _STRETCHING and isinstance(factor, (int, float)) and factor > 1:
+                base = scaling.get("original_max_position_embeddings") or v
+                return max(v, int(base * factor))
+            return v
+    return None

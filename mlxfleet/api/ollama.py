@@ -67,12 +67,9 @@ def _config(rt: Any) -> dict[str, Any]:
 
 def _context_length(rt: Any, cfg: dict[str, Any]) -> Optional[int]:
     """The manifest's ``limits.contextLength``, else the checkpoint config's."""
-    if rt.manifest.spec.limits.context_length:
-        return rt.manifest.spec.limits.context_length
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        if isinstance(cfg.get(key), int):
-            return cfg[key]
-    return None
+    from ..sources import config_context_length
+
+    return rt.manifest.spec.limits.context_length or config_context_length(cfg)
 
 
 def _entry(rt: Any, name: str) -> dict[str, Any]:

@@ -115,26 +115,14 @@ def _leaves(tree):
     return tree_flatten(tree)
 
 
-#: RoPE scalings whose factor stretches the trained context (vLLM's rule); "llama3" and
-#: "longrope" configs already state the stretched length in max_position_embeddings.
-_STRETCHING = {"yarn", "linear", "dynamic"}
-
-
 def context_length(config: dict, tokenizer: Any) -> Optional[int]:
-    """The longest sequence the model takes: its positions, stretched by a RoPE scaling
-    such as YaRN (Qwen3's 32k x 4 = 128k), else the tokenizer's ``model_max_length``."""
-    text = config.get("text_config") or {}
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions",
-                "seq_length"):
-        v = config.get(key) or text.get(key)
-        if isinstance(v, int) and v > 0:
-            scaling = config.get("rope_scaling") or text.get("rope_scaling") or {}
-            kind = scaling.get("rope_type") or scaling.get("type")
-            factor = scaling.get("factor")
-            if kind in _STRETCHING and isinstance(factor, (int, float)) and factor > 1:
-                base = scaling.get("original_max_position_embeddings") or v
-                return max(v, int(base * factor))
-            return v
+    """The longest sequence the model takes (``sources.config_context_length``), else the
+    tokenizer's ``model_max_length``."""
+    from ..sources import config_context_length
+
+    v = config_context_length(config)
+    if v:
+        return v
     v = getattr(tokenizer, "model_max_length", None)
     return v if isinstance(v, int) and 0 < v < 10**8 else None
 
