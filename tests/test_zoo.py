@@ -47,22 +47,21 @@ def reference(path: str):
     return model, tok, alone
 
 
-def chat(w, messages, **kw) -> dict:
+def greedy(w, path: str, **body) -> dict:
+    """A greedy answer of N tokens from worker ``w``, with its token ids."""
     with w.client() as c:
-        r = c.post("/v1/chat/completions", json={
-            "model": "m", "messages": messages, "max_tokens": N, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **kw})
+        r = c.post(path, json={"model": "m", "max_tokens": N, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True, **body})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def chat(w, messages, **kw) -> dict:
+    return greedy(w, "/v1/chat/completions", messages=messages, **kw)
 
 
 def complete(w, prompt, **kw) -> dict:
-    with w.client() as c:
-        r = c.post("/v1/completions", json={
-            "model": "m", "prompt": prompt, "max_tokens": N, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return greedy(w, "/v1/completions", prompt=prompt, **kw)
 
 
 def cached(body: dict) -> int:
