@@ -15,9 +15,19 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
+
+from .builtin_tokenizer import (
+    BUILTIN_FORMAT,
+    CHAT_TEMPLATE,
+    CONTEXT_LENGTH,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    corpus,
+    tokenizer_config,
+    train_tokenizer,
+)
 
 #: name -> Qwen3 shape. ``tiny`` is for tests, ``tiny-50m`` for benchmarks.
 BUILTIN_SIZES: dict[str, dict[str, int]] = {
@@ -29,107 +39,12 @@ BUILTIN_SIZES: dict[str, dict[str, int]] = {
                      num_attention_heads=8, num_key_value_heads=4, head_dim=64),
 }
 BUILTIN_PREFIX = "builtin:"
-#: Bump when the generated builtin files change, so stale caches are rebuilt.
-BUILTIN_FORMAT = 1
 DEMO = "demo"  # the trained chat model, shipped in mlxfleet/models/demo
 EMBED = "tiny-embed"  # a BERT-family encoder with random weights, for spec.task: embedding
 VLM = "tiny-vlm"  # a LLaVA vision-language model with random weights (needs mlx-vlm)
 SCRIPTED = "scripted"  # answers from a script (mlxfleet/scripted.py): for testing clients
 SCRIPTED_CONTEXT = 262144
 BUILTIN_NAMES = [*BUILTIN_SIZES, DEMO, EMBED, VLM, SCRIPTED]
-CONTEXT_LENGTH = 2048
-VOCAB_SIZE = 2048
-
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-]
-
-# A ChatML template in the style of Qwen2.5/Qwen3: tools are listed in the
-# system turn, calls are <tool_call>{json}</tool_call>, results come back as
-# <tool_response> inside a user turn.
-CHAT_TEMPLATE = r"""{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls | default([], true) %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
-
-_WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this "
-    "have from or one had by word but not what all were we when your can said there "
-    "use an each which she do how their if will up other about out many then them "
-    "these so some her would make like him into time has look two more write go see "
-    "number no way could people my than first water been call who oil its now find "
-    "long down day did get come made may part hello world model answer question "
-    "weather city capital Paris Tokyo London Berlin Rome Madrid red green blue yellow "
-    "user assistant system tool function name arguments result json true false null "
-    "please thanks yes sure here is the answer today tomorrow temperature degrees "
-    "search time zone country France Japan England Germany Italy Spain number plus "
-    "minus equals what's it's I'm don't can't"
-).split()
-
-
-def _corpus() -> list[str]:
-    """A deterministic corpus: words, numbers, punctuation, chat and JSON markup."""
-    rng = np.random.default_rng(1234)
-    lines = []
-    for _ in range(4000):
-        n = int(rng.integers(3, 16))
-        words = [_WORDS[int(i)] for i in rng.integers(0, len(_WORDS), n)]
-        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
-    lines += [str(i) for i in range(1000)]
-    lines += [
-        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
-        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHi there.<|im_end|>",
-        "def f(x):\n    return x + 1\n",
-        "Unicode: café naïve résumé über 東京 日本 こんにちは 🙂 ✓ — “quotes”",
-    ] * 20
-    return lines
-
-
-def train_tokenizer(corpus: list[str], vocab_size: int, specials: Optional[list[str]] = None):
-    """A byte-level BPE (GPT-2/Qwen style) trained on ``corpus``, with our special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials or SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
-
-
 def _weights(shape: dict[str, int], vocab: int, seed: int) -> dict[str, np.ndarray]:
     """Random float32 weights, scaled so greedy decoding has clear winners."""
     rng = np.random.default_rng(seed)
@@ -191,29 +106,6 @@ def write_checkpoint(out_dir: Path, tok, shape: dict[str, int], weights: dict,
     return out_dir
 
 
-def tokenizer_config(ids: dict[str, int], chat_template: str, context: int) -> dict:
-    """``tokenizer_config.json`` for our BPE tokenizers: ChatML special tokens (``ids``:
-    token -> id), the tool and reasoning markers added but visible."""
-    not_special = {"<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
-                   "</tool_response>"}
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": context,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "unk_token": None,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": chat_template,
-        "added_tokens_decoder": {
-            str(i): {"content": t, "special": t not in not_special, "lstrip": False,
-                     "rstrip": False, "normalized": False, "single_word": False}
-            for t, i in ids.items()
-        },
-    }
-
-
 def write_encoder(out_dir: Path, name: str, hidden: int = 64, layers: int = 2,
                   heads: int = 4, inter: int = 128, positions: int = 512) -> Path:
     """A BERT checkpoint in Hugging Face's layout (config, tokenizer, safetensors, the
@@ -221,7 +113,7 @@ def write_encoder(out_dir: Path, name: str, hidden: int = 64, layers: int = 2,
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+    tok = train_tokenizer(corpus(), VOCAB_SIZE)
     tok.save(str(out_dir / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     config = {"model_type": "bert", "architectures": ["BertModel"], "hidden_size": hidden,
@@ -285,7 +177,7 @@ def write_builtin(name: str, out_dir: Path) -> Path:
     if name == SCRIPTED:
         from .scripted import write_scripted
 
-        tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+        tok = train_tokenizer(corpus(), VOCAB_SIZE)
         write_scripted(out_dir, tok, {t: tok.token_to_id(t) for t in SPECIAL_TOKENS},
                        SCRIPTED_CONTEXT)
         return out_dir
@@ -293,7 +185,7 @@ def write_builtin(name: str, out_dir: Path) -> Path:
         raise ValueError(f"unknown builtin model {name!r}; choose one of: "
                          f"{', '.join(BUILTIN_NAMES)}")
     shape = BUILTIN_SIZES[name]
-    tok = train_tokenizer(_corpus(), VOCAB_SIZE)
+    tok = train_tokenizer(corpus(), VOCAB_SIZE)
     weights = _weights(shape, tok.get_vocab_size(), seed=sum(map(ord, name)))
     readme = (f"# builtin:{name}\n\nA Qwen3-architecture model with deterministic random "
               "weights, written by mlxfleet for tests and benchmarks. It produces "

@@ -40,19 +40,19 @@ def write_vlm(out_dir: Path, name: str) -> Path:
     from mlx_vlm.models import llava
     from safetensors.numpy import save_file
 
-    from .builtin import (
+    from .builtin_tokenizer import (
         BUILTIN_FORMAT,
         CONTEXT_LENGTH,
         SPECIAL_TOKENS,
         VOCAB_SIZE,
-        _corpus,
+        corpus,
         tokenizer_config,
         train_tokenizer,
     )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     specials = [*SPECIAL_TOKENS, IMAGE_TOKEN]
-    tok = train_tokenizer(_corpus(), VOCAB_SIZE, specials)
+    tok = train_tokenizer(corpus(), VOCAB_SIZE, specials)
     tok.save(str(out_dir / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in specials}
     eos = ids["<|im_end|>"]

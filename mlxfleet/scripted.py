@@ -165,7 +165,7 @@ def write_scripted(out_dir, tok, ids: dict[str, int], context: int) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from .builtin import CHAT_TEMPLATE, tokenizer_config
+    from .builtin_tokenizer import CHAT_TEMPLATE, tokenizer_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))

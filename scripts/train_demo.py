@@ -37,7 +37,8 @@ from jinja2 import Environment  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen3  # noqa: E402
 
-from mlxfleet.builtin import CHAT_TEMPLATE, train_tokenizer, write_checkpoint  # noqa: E402
+from mlxfleet.builtin import write_checkpoint  # noqa: E402
+from mlxfleet.builtin_tokenizer import CHAT_TEMPLATE, train_tokenizer  # noqa: E402
 
 SHAPE = dict(hidden_size=192, num_hidden_layers=4, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=48)
