@@ -22,6 +22,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,12 +111,21 @@ def _server(name: str, e: Any, allowed: list[str], allow_env: list[str]) -> Serv
     return s
 
 
+class MCPState(str, Enum):
+    """An MCP server's state, as ``/v1/mcp/servers`` and ``/v1/status`` show it."""
+
+    STARTING = "starting"  # connecting (first time, or again after a backoff)
+    READY = "ready"  # connected; its tools are listed
+    BACKOFF = "backoff"  # the connection failed or dropped; retrying after a delay
+    INVALID = "invalid"  # its configuration is wrong: never tried
+
+
 class MCPServer:
     """One configured server: its connection task, state and tools."""
 
     def __init__(self, cfg: ServerConfig, backoff_cap: float = 30.0):
         self.cfg, self.name = cfg, cfg.name
-        self.state = "invalid" if cfg.error else "starting"
+        self.state = MCPState.INVALID if cfg.error else MCPState.STARTING
         self.error: Optional[str] = cfg.error
         self.tools: list[Any] = []
         self.restarts = 0
@@ -149,7 +159,7 @@ class MCPServer:
             try:
                 async with Client(self._transport()) as client:
                     self.tools = list((await client.list_tools()).tools)
-                    self._client, self.state, self.error = client, "ready", None
+                    self._client, self.state, self.error = client, MCPState.READY, None
                     log.info("MCP server %s: ready, %d tools", self.name, len(self.tools))
                     delay = 0.5
                     while True:  # a server that stops answering is reconnected (listing
@@ -162,15 +172,15 @@ class MCPServer:
                 self.error = _message(e)
                 log.warning("MCP server %s: %s; restarting in %.1fs", self.name, self.error,
                             delay)
-            self._client, self.state = None, "backoff"
+            self._client, self.state = None, MCPState.BACKOFF
             self.restarts += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._backoff_cap)
-            self.state = "starting"
+            self.state = MCPState.STARTING
 
     async def call(self, tool: str, arguments: dict, timeout: float) -> Any:
         if self._client is None:
-            raise APIError(503, f"MCP server '{self.name}' is {self.state}"
+            raise APIError(503, f"MCP server '{self.name}' is {self.state.value}"
                            + (f": {self.error}" if self.error else ""),
                            type="service_unavailable", code="mcp_unavailable",
                            headers={"Retry-After": "2"})
@@ -215,7 +225,7 @@ class MCPManager:
         await asyncio.gather(*(s.stop() for s in self.servers.values()))
 
     def status(self) -> dict[str, Any]:
-        return {"servers": [{"name": s.name, "state": s.state, "tools": len(s.tools),
+        return {"servers": [{"name": s.name, "state": s.state.value, "tools": len(s.tools),
                              "restarts": s.restarts, "last_error": s.error,
                              "transport": "http" if s.cfg.url else "stdio"}
                             for s in self.servers.values()]}
@@ -257,7 +267,7 @@ class MCPManager:
             raise APIError(404, f"No MCP server named '{server}'.", param="server",
                            type="not_found_error", code="mcp_server_not_found")
         known = {t.name: t for t in s.tools}
-        if s.state == "ready" and tool not in known:
+        if s.state is MCPState.READY and tool not in known:
             raise APIError(404, f"MCP server '{server}' has no tool '{tool}'.", param="tool",
                            type="not_found_error", code="mcp_tool_not_found")
         if not isinstance(arguments, dict):
@@ -379,8 +389,8 @@ async def respond_with_mcp(manager: Optional[MCPManager], body: dict[str, Any],
         if s is None:
             raise APIError(400, f"No MCP server labelled '{label}' is configured.",
                            param=f"tools[{i}].server_label", code="mcp_server_not_found")
-        if s.state != "ready":
-            raise APIError(503, f"MCP server '{label}' is {s.state}.",
+        if s.state is not MCPState.READY:
+            raise APIError(503, f"MCP server '{label}' is {s.state.value}.",
                            type="service_unavailable", code="mcp_unavailable",
                            headers={"Retry-After": "2"})
         allowed = t.get("allowed_tools")

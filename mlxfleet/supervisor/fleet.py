@@ -19,12 +19,22 @@ import platform
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Optional
 
 import httpx
 
 from ..manifest import LoadedManifest, NodeManifest
 from .placement import ModelView, NodeView, Placement, place
+
+
+class NodeState(str, Enum):
+    """A node of the fleet as this one sees it (``mlxfleet get nodes``)."""
+
+    READY = "Ready"  # answering
+    NOT_READY = "NotReady"  # failing, within the grace period: its models stay placed
+    LOST = "Lost"  # down past the grace period: its models moved
+    UNKNOWN = "Unknown"  # not answered yet
 
 log = logging.getLogger("mlxfleet.fleet")
 
@@ -102,19 +112,17 @@ class Fleet:
         since = p.last_ok if p.last_ok is not None else self.started
         return time.monotonic() - since < self.grace
 
-    def node_status(self, node: str) -> str:
-        """Ready (answering), NotReady (failing, within the grace period), Lost (its
-        models moved), Unknown (not answered yet)."""
+    def node_status(self, node: str) -> NodeState:
         if node == self.me:
-            return "Ready"
+            return NodeState.READY
         p = self.peers.get(node)
         if p is None:
-            return "Unknown"
+            return NodeState.UNKNOWN
         if p.failures == 0 and p.last_ok is not None:
-            return "Ready"
+            return NodeState.READY
         if not self.healthy(node):
-            return "Lost"
-        return "NotReady" if p.last_ok is not None else "Unknown"
+            return NodeState.LOST
+        return NodeState.NOT_READY if p.last_ok is not None else NodeState.UNKNOWN
 
     # ---- placement ---------------------------------------------------------
 

@@ -164,7 +164,7 @@ class FleetMembership:
             mem = rep.get("memory") or {}
             out.append({
                 "name": name, "url": n.spec.url, "labels": dict(n.metadata.labels),
-                "status": fleet.node_status(name), "self": name == fleet.me,
+                "status": fleet.node_status(name).value, "self": name == fleet.me,
                 "models": sorted(m for m, p in fleet.placements.items() if name in p.nodes),
                 "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": capacity(n, rep),
                            "totalBytes": mem.get("totalBytes")},
