@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from datetime import datetime, timezone
 from typing import Any, Optional, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -227,3 +229,30 @@ def streaming_response(body, status: int = 200,
     resp.headers["X-Accel-Buffering"] = "no"
     resp.timeout = None
     return resp
+
+
+# ---- Ollama -----------------------------------------------------------------
+
+def ollama_time(ts: Optional[float] = None) -> str:
+    """Ollama's timestamps: ISO 8601 in UTC with a ``Z`` (now when ``ts`` is None)."""
+    t = datetime.fromtimestamp(time.time() if ts is None else ts, timezone.utc)
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def ollama_empty_request(path: str, body: dict[str, Any]) -> bool:
+    """Ollama's empty request, with nothing to generate: it loads the model, or unloads
+    it with ``keep_alive: 0`` (``/api/chat`` without messages, ``/api/generate``
+    without a prompt or images)."""
+    if path == "/api/chat":
+        return not body.get("messages")
+    if path == "/api/generate":
+        return not (body.get("prompt") or body.get("images"))
+    return False
+
+
+def ollama_done(model: str, path: str, reason: str = "load") -> dict[str, Any]:
+    """Ollama's answer to an empty request: ``done_reason`` "load" or "unload"."""
+    empty: Any = {"role": "assistant", "content": ""} if path == "/api/chat" else ""
+    return {"model": model, "created_at": ollama_time(),
+            "message" if path == "/api/chat" else "response": empty, "done": True,
+            "done_reason": reason}

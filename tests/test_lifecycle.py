@@ -62,7 +62,7 @@ def test_fake_is_a_worker_handle(tmp_path):
 
 async def _loaded(f: FakeFleet, name: str):
     rt = f.sup.models[name]
-    load = asyncio.create_task(f.sup.ready(rt, time.monotonic() + 5))
+    load = asyncio.create_task(rt.ensure_ready(time.monotonic() + 5))
     w = await until(lambda: rt.starting)
     w.become_ready()
     await load
@@ -183,7 +183,7 @@ async def test_idle_model_is_evicted_to_make_room_but_a_busy_one_is_not(tmp_path
         assert e.value.code == "insufficient_memory" and rt_a.ready
         lease.release()  # a is idle: b evicts it
         rt_b = f.sup.models["b"]
-        load = asyncio.create_task(f.sup.ready(rt_b, time.monotonic() + 5))
+        load = asyncio.create_task(rt_b.ensure_ready(time.monotonic() + 5))
         (await until(lambda: rt_b.starting)).become_ready()
         await load
         assert rt_b.ready and not rt_a.holds_memory and rt_a.evictions == 1

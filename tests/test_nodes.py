@@ -111,6 +111,21 @@ def test_cli_shows_nodes_and_where_models_run(nodes):
         assert wait_for(lambda: loaded() > seen, 30), out.read_text()
     finally:
         follow.kill()
+    # Ollama's empty requests unload and load it on its node, asked of another node
+    ask = lambda keep: httpx.post(a.url + "/api/generate", timeout=60,  # noqa: E731
+                                  json={"model": "pinned-b", "keep_alive": keep}).json()
+    status = lambda: httpx.get(nodes["b"].url + "/mlxfleet/v1/models/pinned-b",  # noqa: E731
+                               timeout=10).json()
+    assert ask(0)["done_reason"] == "unload" and status()["phase"] == "Unloaded"
+    assert ask("1h")["done_reason"] == "load"
+    st = status()
+    assert st["phase"] == "Ready" and st["keepAlive"] == 3600, st
+    # and every node lists how its worker parses output, wherever it runs
+    parsers = lambda: next(m for m in httpx.get(a.url + "/v1/models",  # noqa: E731
+                                                timeout=10).json()["data"]
+                           if m["id"] == "pinned-b")["parsers"]
+    assert wait_for(parsers, 20), "node a never heard how pinned-b parses output"
+    assert parsers()["tool_call"] and parsers()["source"] == "model", parsers()
 
 
 def test_the_dashboard_shows_the_nodes_and_where_models_run(nodes, browser, tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from quart import Quart, request
 
 from .. import __version__
+from ..units import parse_duration
 from ..wire import APIError, streaming_response
 
 
@@ -21,52 +21,6 @@ def _runtime(supervisor: Any, name: str):
                        f"{', '.join(supervisor.all_names()) or 'none'}.",
                        type="not_found_error", code="model_not_found")
     return rt
-
-
-async def _on_node(supervisor: Any, rt: Any, method: str, path: str):
-    """Ask the node that runs a remote model (load, unload, describe, logs, followed logs
-    too), as if the client had asked it: its answer, status and all, relayed as it comes."""
-    import httpx
-
-    rt.check()
-    fleet = supervisor.fleet
-    req = fleet.client.build_request(
-        method, fleet.url(rt.node) + "/mlxfleet/v1" + path, headers=fleet.headers(),
-        params=dict(request.args),
-        timeout=httpx.Timeout(supervisor.settings.startup_timeout, connect=5))
-    try:
-        r = await fleet.client.send(req, stream=True)
-    except httpx.HTTPError as e:
-        raise APIError(503, f"Node '{rt.node}' does not answer: {e or type(e).__name__}",
-                       code="node_unreachable") from None
-
-    async def relay():
-        try:
-            async for chunk in r.aiter_raw():
-                yield chunk
-        except httpx.HTTPError:
-            pass  # the node went away mid-answer: end it here
-        finally:
-            await r.aclose()
-
-    return streaming_response(relay(), status=r.status_code,
-                              content_type=r.headers.get("content-type", "application/json"))
-
-
-def tail_lines(path: Path, n: int) -> list[str]:
-    """The last ``n`` lines of a file, reading backwards in blocks."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            pos, data = f.tell(), b""
-            while pos > 0 and data.count(b"\n") <= n:
-                step = min(65536, pos)
-                pos -= step
-                f.seek(pos)
-                data = f.read(step) + data
-    except FileNotFoundError:
-        return []
-    return [ln.decode(errors="replace") for ln in data.splitlines()[-n:]] if n else []
 
 
 def register_control(app: Quart, supervisor: Any) -> None:
@@ -101,19 +55,20 @@ def register_control(app: Quart, supervisor: Any) -> None:
 
     @app.post(f"{base}/models/<name>/load")
     async def load(name: str):
+        """Load and wait until it serves; ``?keepAlive=`` as a request's keep_alive."""
         rt = _runtime(supervisor, name)
-        if rt.remote:
-            return await _on_node(supervisor, rt, "POST", f"/models/{rt.name}/load")
-        await supervisor.ready(rt, time.monotonic() + supervisor.settings.startup_timeout)
-        return rt.status()
+        keep_alive = None
+        if "keepAlive" in request.args:
+            try:
+                keep_alive = parse_duration(request.args["keepAlive"])
+            except ValueError as e:
+                raise APIError(400, f"Invalid keepAlive: {e}", param="keepAlive") from None
+        return await rt.load(time.monotonic() + supervisor.settings.startup_timeout,
+                             keep_alive)
 
     @app.post(f"{base}/models/<name>/unload")
     async def unload(name: str):
-        rt = _runtime(supervisor, name)
-        if rt.remote:
-            return await _on_node(supervisor, rt, "POST", f"/models/{rt.name}/unload")
-        await supervisor.unload(rt)
-        return rt.status()
+        return await _runtime(supervisor, name).unload()
 
     @app.get(f"{base}/models/<name>")
     async def get_model(name: str):
@@ -122,34 +77,16 @@ def register_control(app: Quart, supervisor: Any) -> None:
     @app.get(f"{base}/models/<name>/logs")
     async def logs(name: str):
         rt = _runtime(supervisor, name)
-        if rt.remote:
-            return await _on_node(supervisor, rt, "GET", f"/models/{rt.name}/logs")
         try:
             n = int(request.args.get("tail", "100"))
         except ValueError:
             raise APIError(400, "tail must be an integer", param="tail") from None
         follow = request.args.get("follow", "").lower() in ("1", "true", "yes")
-        path = supervisor.log_path(rt.name)
-        head = "".join(ln + "\n" for ln in tail_lines(path, max(n, 0)))
+        lines = await rt.logs(n, follow)
         if not follow:
-            return head, 200, {"Content-Type": "text/plain; charset=utf-8"}
-
-        async def stream():
-            yield head
-            pos = path.stat().st_size if path.exists() else 0
-            while True:
-                await asyncio.sleep(0.3)
-                size = path.stat().st_size if path.exists() else 0
-                if size < pos:  # rotated
-                    pos = 0
-                if size > pos:
-                    with open(path, "rb") as f:
-                        f.seek(pos)
-                        chunk = f.read(size - pos)
-                    pos = size
-                    yield chunk.decode(errors="replace")
-
-        return streaming_response(stream(), content_type="text/plain; charset=utf-8")
+            text = "".join([chunk async for chunk in lines])
+            return text, 200, {"Content-Type": "text/plain; charset=utf-8"}
+        return streaming_response(lines, content_type="text/plain; charset=utf-8")
 
     @app.post(f"{base}/manifests")
     async def apply():

@@ -100,9 +100,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         return {"id": name, "object": "model", "created": int(rt.created or started),
                 "owned_by": "mlxfleet", "root": rt.name, "state": rt.phase.value,
                 "ready": rt.ready, "aliases": list(rt.manifest.spec.aliases),
-                "parsers": (getattr(getattr(rt, "current", None), "paths", None) or {}
-                            ).get("parsers") if rt.ready else None,  # (remote: unknown)
-                "node": rt.node if rt.remote else supervisor.node_name}
+                "parsers": (rt.paths or {}).get("parsers"), "node": rt.node}
 
     @app.get("/v1/models")
     async def models():

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Optional
 
 import httpx
@@ -31,13 +31,14 @@ from ..wire import (
     body_too_slow,
     error_body,
     error_type_for,
+    ollama_empty_request,
     parse_json_body,
     stream_error,
 )
 from .guard import Guard, request_id
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
-from .ollama import empty_request, load_or_unload
+from .ollama import load_or_unload
 from .responses import ResponseStore, owner_of
 
 log = logging.getLogger("mlxfleet.gateway")
@@ -131,16 +132,12 @@ class ModelRoutes:
         keep_alive = _keep_alive(body["keep_alive"]) if "keep_alive" in body else None
         fwd = {k: headers[k] for k in _FORWARD_HEADERS if k in headers}
         fwd["X-Request-Id"] = out.request_id
-        rt = sup.resolve(model)
-        remote = rt is not None and rt.remote  # another node runs it (and loads it)
-        if remote and sender:
-            raise _moved(rt, sup.node_name)
-        if keep_alive is not None and rt is not None \
-                and not rt.manifest.spec.client_keep_alive \
+        rt = sup.find(model, forwarded=sender is not None)
+        if keep_alive is not None and not rt.manifest.spec.client_keep_alive \
                 and not self.guard.may_unload(headers, sender):
             floor = rt.manifest.spec.keep_alive
             floor = settings.keep_alive_seconds if floor is None else floor
-            if keep_alive == 0 and empty_request(path, body):
+            if keep_alive == 0 and ollama_empty_request(path, body):
                 raise APIError(403, "Unloading a model needs the admin key "
                                "(MLXFLEET_ADMIN_KEY) unless its manifest sets "
                                "clientKeepAlive: true.", type="permission_error",
@@ -149,13 +146,11 @@ class ModelRoutes:
                 keep_alive = floor
                 body["keep_alive"] = -1 if math.isinf(floor) else floor
                 raw = json.dumps(body).encode()
-        timeout = (rt.manifest.spec.limits.timeout if rt else None) or settings.timeout
+        timeout = rt.manifest.spec.limits.timeout or settings.timeout
         deadline = time.monotonic() + timeout
         ollama = path.startswith("/api/")
-        if ollama and not remote:
-            done = await load_or_unload(sup, path, body, model, keep_alive, deadline)
-            if done is not None:
-                return await out.json(done)
+        if ollama and ollama_empty_request(path, body):
+            return await out.json(await load_or_unload(rt, path, keep_alive, deadline))
         pending = None
         if path == "/v1/responses" and sender is None:  # a forwarding node stores it
             owner = owner_of(headers, bool(self.guard.api_keys), False)
@@ -164,7 +159,7 @@ class ModelRoutes:
             if any(isinstance(t, dict) and t.get("type") == "mcp"
                    for t in body.get("tools") or []):
                 resp = await respond_with_mcp(self.mcp, body, lambda b: _ask_worker(
-                    sup, model, deadline, keep_alive, b, fwd))
+                    rt, deadline, keep_alive, b, fwd))
                 await store.put(resp, pending)
                 return await out.json(resp)
 
@@ -172,16 +167,14 @@ class ModelRoutes:
             return store.capture_stream(chunks, pending) if pending else chunks
 
         target = ("POST", path, raw, fwd)
-        acquire = sup.acquire(model, deadline, keep_alive)
-        if rt is not None and not remote and not rt.ready and body.get("stream") is True \
-                and not ollama:
+        if not rt.ready and body.get("stream") is True and not ollama:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             out.model = rt.name
             return await out.stream(200, "text/event-stream", relayed(
-                _stream_after_load(acquire, target, settings.sse_keepalive_interval,
-                                   timeout)))
-        lease = await acquire
+                _stream_after_load(rt.acquire(deadline, keep_alive), rt.name, target,
+                                   settings.sse_keepalive_interval, timeout)))
+        lease = await rt.acquire(deadline, keep_alive)
         out.model = lease.name
         try:
             upstream = await lease.send(*target)
@@ -299,10 +292,10 @@ async def _hang_up(receive: Any, task: asyncio.Task) -> None:
     task.cancel()
 
 
-async def _ask_worker(supervisor: Any, model: str, deadline: float, keep_alive: Any,
-                      body: dict, headers: dict) -> dict:
+async def _ask_worker(rt: Any, deadline: float, keep_alive: Any, body: dict, headers: dict
+                      ) -> dict:
     """One non-streaming /v1/responses round on the model's worker (the MCP tool loop)."""
-    async with supervisor.acquire(model, deadline, keep_alive) as lease:
+    async with await rt.acquire(deadline, keep_alive) as lease:
         upstream = await lease.send("POST", "/v1/responses", json.dumps(body).encode(),
                                     headers)
         try:
@@ -319,16 +312,6 @@ async def _ask_worker(supervisor: Any, model: str, deadline: float, keep_alive: 
                        type=err.get("type") or "server_error", param=err.get("param"),
                        code=err.get("code"))
     return data
-
-
-def _moved(rt: Any, me: str) -> APIError:
-    """A request another node forwarded here for a model this node does not run: the
-    nodes' placements disagree for a moment (a node just came or went). It is refused,
-    never forwarded again, so requests cannot go round in circles."""
-    where = f"node '{rt.node}'" if rt.node else "no node"
-    return AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node '{me}' that "
-                          "this request was forwarded to; the nodes are updating their "
-                          "placement, retry shortly.", "model_moved", retry_after=1)
 
 
 def _keep_alive(value: Any) -> float:
@@ -370,8 +353,8 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
         lease.release()
 
 
-async def _stream_after_load(acquire: Any, target: tuple, keepalive: float, gap: float
-                             ) -> AsyncIterator[bytes]:
+async def _stream_after_load(acquire: Awaitable[Lease], name: str, target: tuple,
+                             keepalive: float, gap: float) -> AsyncIterator[bytes]:
     """A stream whose model is not loaded yet: keep-alive comments, then the answer."""
     path = target[1]
     load = asyncio.ensure_future(acquire)
@@ -381,7 +364,7 @@ async def _stream_after_load(acquire: Any, target: tuple, keepalive: float, gap:
             done, _ = await asyncio.wait({load}, timeout=keepalive)
             if done:
                 break
-            yield f": loading model {acquire.model}\n\n".encode()
+            yield f": loading model {name}\n\n".encode()
         lease = load.result()
         upstream = await lease.send(*target)
     except AdmissionError as err:

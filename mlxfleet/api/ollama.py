@@ -10,25 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
-from datetime import datetime, timezone
 from typing import Any, Optional
 
 from quart import Quart, request
 
 from ..formats import pick_parsers
 from ..manifest import is_pattern
-from ..wire import APIError, parse_json_body
+from ..wire import APIError, ollama_done, ollama_time, parse_json_body
 
 #: What /api/version reports: the Ollama API level these routes follow (clients compare
 #: it to enable features), not mlxfleet's own version.
 OLLAMA_VERSION = "0.12.0"
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever
-
-
-def _iso(ts: Optional[float]) -> str:
-    t = datetime.fromtimestamp(ts or time.time(), timezone.utc)
-    return t.isoformat().replace("+00:00", "Z")
 
 
 def _digest(rt: Any) -> str:
@@ -73,7 +66,7 @@ def _context_length(rt: Any, cfg: dict[str, Any]) -> Optional[int]:
 
 
 def _entry(rt: Any, name: str) -> dict[str, Any]:
-    return {"name": name, "model": name, "modified_at": _iso(rt.created),
+    return {"name": name, "model": name, "modified_at": ollama_time(rt.created),
             "size": rt.weight_bytes or 0, "digest": _digest(rt), "details": _details(rt)}
 
 
@@ -105,7 +98,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
             if not rt.ready:
                 continue
             st = rt.status()
-            expires = FOREVER if math.isinf(rt.keep_alive) else (st["expiresAt"] or _iso(None))
+            expires = FOREVER if math.isinf(rt.keep_alive) else (st["expiresAt"] or ollama_time())
             resident = rt.memory_bytes() or rt.footprint()
             models.append({**_entry(rt, _tagged(n)), "expires_at": expires, "size": rt.footprint(),
                            "size_vram": resident,
@@ -147,7 +140,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
                 "parameters": "\n".join(params), "template": template or "",
                 "parsers": parsers.as_dict(),
                 "details": _details(rt), "model_info": info, "capabilities": caps,
-                "modified_at": _iso(rt.created)}
+                "modified_at": ollama_time(rt.created)}
 
 
 def _chat_template(rt: Any) -> Optional[str]:
@@ -171,35 +164,13 @@ def _chat_template(rt: Any) -> Optional[str]:
     return None
 
 
-def empty_request(path: str, body: dict[str, Any]) -> bool:
-    """Whether this is Ollama's empty request (nothing to generate): a load, or an
-    unload with ``keep_alive: 0``."""
-    if path == "/api/chat":
-        return not body.get("messages")
-    if path == "/api/generate":
-        return not (body.get("prompt") or body.get("images"))
-    return False
-
-
-async def load_or_unload(supervisor: Any, path: str, body: dict[str, Any], model: str,
-                         keep_alive: Optional[float], deadline: float) -> Optional[dict]:
-    """Ollama's idiom: a chat with no messages, or a generate with no prompt, loads the
-    model (``done_reason: "load"``), or with ``keep_alive: 0`` unloads it ("unload"; with
-    API keys only for admin keys, which the gateway checked). None when the request has
-    something to generate."""
-    if not empty_request(path, body):
-        return None
-    key = "message" if path == "/api/chat" else "response"
-    empty = {"role": "assistant", "content": ""} if key == "message" else ""
-    rt = supervisor.resolve(model)
-    if rt is None:
-        raise APIError(404, f"model '{model}' not found", code="model_not_found")
+async def load_or_unload(rt: Any, path: str, keep_alive: Optional[float],
+                         deadline: float) -> dict:
+    """Ollama's empty request (``wire.ollama_empty_request``) loads the model, or with
+    ``keep_alive: 0`` unloads it (with API keys only for admin keys, which the gateway
+    checked), wherever it runs."""
     if keep_alive == 0:
-        await supervisor.unload(rt, "unloaded by a request with keep_alive 0")
-        reason = "unload"
-    else:
-        async with supervisor.acquire(model, deadline, keep_alive):
-            pass
-        reason = "load"
-    return {"model": rt.name, "created_at": _iso(None), key: empty, "done": True,
-            "done_reason": reason}
+        await rt.unload("unloaded by a request with keep_alive 0")
+        return ollama_done(rt.name, path, "unload")
+    await rt.load(deadline, keep_alive)
+    return ollama_done(rt.name, path, "load")

@@ -12,7 +12,13 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 
 class WorkerUnreachable(Exception):
-    """Nothing reached the worker (it is not listening): the request may be retried."""
+    """Nothing reached the worker (it is not listening): the request may be retried.
+    ``retry_after``: when it may be back (a node of a fleet that does not answer)."""
+
+    def __init__(self, message: str, retry_after: Optional[float] = None,
+                 code: str = "worker_unavailable"):
+        super().__init__(message)
+        self.retry_after, self.code = retry_after, code
 
 
 class WorkerFailed(Exception):

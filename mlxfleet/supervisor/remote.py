@@ -10,16 +10,20 @@ only routes, and shows the status that node reports.
 
 from __future__ import annotations
 
+import json
+import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 import httpx
 
 from ..manifest import Manifest
 from ..units import iso
-from .admission import AdmissionError
+from ..wire import APIError, error_type_for
+from .admission import AdmissionError, Lease
 from .fleet import Fleet
-from .handle import InflightCounter, WorkerFailed
+from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
 from .lifecycle import ModelPhase
 from .placement import Placement
 
@@ -59,10 +63,11 @@ class RemoteWorker(InflightCounter):
         try:  # straight to the pooled transport, as WorkerProcess.forward does
             resp = await self.fleet.transport.handle_async_request(req)
         except httpx.ConnectError as e:
-            raise AdmissionError(503, f"Node '{self.node}' ({url}) is unreachable: {e}. Its "
-                                 "models move to other nodes once it has been down for "
-                                 f"{self.fleet.grace:g}s, where their placement allows.",
-                                 "node_unreachable", retry_after=self.fleet.grace) from None
+            raise WorkerUnreachable(f"Node '{self.node}' ({url}) is unreachable: {e}. Its "
+                                    "models move to other nodes once it has been down for "
+                                    f"{self.fleet.grace:g}s, where their placement allows.",
+                                    retry_after=self.fleet.grace, code="node_unreachable"
+                                    ) from None
         except httpx.TransportError as e:
             raise WorkerFailed(f"node {self.node}: {e or type(e).__name__}") from None
         resp.request = req
@@ -87,11 +92,9 @@ class RemoteWorker(InflightCounter):
 class RemoteModel:
     """A model of the fleet served by another node, or by none (unschedulable)."""
 
-    remote = True
     removed = False
     want_loaded = True
     waiters = 0
-    keep_alive_override: Optional[float] = None
 
     def __init__(self, manifest: Manifest, file: str, placement: Placement, fleet: Fleet):
         self.manifest, self.file, self.placement, self.fleet = manifest, file, placement, fleet
@@ -135,6 +138,10 @@ class RemoteModel:
         return int(self.reported().get("inflight") or 0)
 
     @property
+    def paths(self) -> Optional[dict]:
+        return self.reported().get("paths") if self.ready else None
+
+    @property
     def weight_bytes(self) -> Optional[int]:
         return (self.reported().get("memory") or {}).get("weightBytes")
 
@@ -149,6 +156,69 @@ class RemoteModel:
             raise AdmissionError(503, f"Model '{self.name}' cannot run on any node: "
                                  f"{self.placement.reason}.", "model_unschedulable",
                                  retry_after=max(5, self.fleet.grace))
+
+    async def ensure_ready(self, deadline: float) -> None:
+        self.check()  # the node that runs it loads it, when the request gets there
+
+    async def acquire(self, deadline: float, keep_alive: Optional[float] = None) -> Lease:
+        """A lease on the node that runs it (the forwarded body carries ``keep_alive``)."""
+        self.check()
+        return Lease(self, deadline)
+
+    async def load(self, deadline: float, keep_alive: Optional[float] = None) -> dict:
+        params = {} if keep_alive is None else {
+            "keepAlive": "-1" if math.isinf(keep_alive) else f"{keep_alive:g}s"}
+        r = await self._ask("POST", "load", params, max(1.0, deadline - time.monotonic()))
+        return json.loads(await r.aread())
+
+    async def unload(self, reason: str = "unload requested") -> dict:
+        r = await self._ask("POST", "unload", {}, self.fleet.settings.startup_timeout)
+        return json.loads(await r.aread())
+
+    async def logs(self, tail: int, follow: bool) -> AsyncIterator[str]:
+        r = await self._ask("GET", "logs", {"tail": str(tail), "follow": str(follow).lower()},
+                            None if follow else 30.0)
+
+        async def relay():
+            try:
+                async for chunk in r.aiter_text():
+                    yield chunk
+            except httpx.HTTPError:
+                pass  # the node went away mid-answer: end it here
+            finally:
+                await r.aclose()
+
+        return relay()
+
+    async def _ask(self, method: str, what: str, params: dict,
+                   timeout: Optional[float]) -> httpx.Response:
+        """The node's control API for this model, as if the client had asked it: the
+        streamed answer, or its error as an ``APIError``."""
+        self.check()
+        fleet = self.fleet
+        req = fleet.client.build_request(
+            method, f"{fleet.url(self.node)}/mlxfleet/v1/models/{self.name}/{what}",
+            headers=fleet.headers(), params=params,
+            timeout=httpx.Timeout(timeout, connect=5))
+        try:
+            r = await fleet.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            raise APIError(503, f"Node '{self.node}' does not answer: "
+                           f"{e or type(e).__name__}", code="node_unreachable") from None
+        if r.status_code < 400:
+            return r
+        try:
+            err = json.loads(await r.aread()).get("error") or {}
+        except ValueError:
+            err = {}
+        finally:
+            await r.aclose()
+        headers = {"Retry-After": r.headers["retry-after"]} \
+            if "retry-after" in r.headers else None
+        raise APIError(r.status_code, err.get("message") or f"node '{self.node}' answered "
+                       f"HTTP {r.status_code}",
+                       type=err.get("type") or error_type_for(r.status_code), code=err.get("code"),
+                       param=err.get("param"), headers=headers)
 
     def begin(self) -> RemoteWorker:
         self.worker.acquire()

@@ -18,10 +18,12 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from ..manifest import Manifest
 from ..units import iso_opt
+from .admission import AdmissionError, Lease, time_left, timeout_error
 from .handle import WorkerHandle
 from .lifecycle import (
     Desired,
@@ -42,9 +44,8 @@ log = logging.getLogger("mlxfleet.supervisor")
 class ModelRuntime(StatusRecord, MemoryAccount):
     """The supervisor's record of one model: desired manifest, workers, status."""
 
-    remote = False  # a model this node runs (``remote.RemoteModel`` is one it routes)
-
-    def __init__(self, manifest: Manifest, file: str, supervisor: Any):
+    def __init__(self, manifest: Manifest, file: str, supervisor: Any,
+                 rank: Optional[tuple[int, tuple[str, ...]]] = None):
         super().__init__(manifest.name)
         self.manifest = manifest
         self.file = file
@@ -60,7 +61,6 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self.failures = 0  # consecutive, for the backoff
         self.failed_at: Optional[float] = None
         self.last_error: Optional[str] = None
-        self.phase = ModelPhase.UNLOADED
         self.created = time.time()
         self.removed = False
         self.keep_alive_override: Optional[float] = None
@@ -77,9 +77,10 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._draining: set[asyncio.Task] = set()
         self._config_for: Optional[tuple] = None
+        self._unloading = self._stopped = False
         # A sharded model (fleets): this node's rank and every rank's host:port. Ranks
         # other than 0 are followers: they serve no requests (``remote`` routes them).
-        self.rank: Optional[tuple[int, tuple[str, ...]]] = None
+        self.rank = rank
         self.set_condition("Ready", False, "Unloaded", "not loaded")
         self.task = asyncio.create_task(self._run(), name=f"model:{manifest.name}")
 
@@ -88,8 +89,37 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         return self.manifest.name
 
     @property
+    def node(self) -> Optional[str]:
+        return self.sup.node_name
+
+    @property
     def ready(self) -> bool:
         return self.current is not None and self.current.alive and self._ready.is_set()
+
+    @property
+    def paths(self) -> Optional[dict]:
+        """The serving worker's engine paths (architecture, parsers, exactness)."""
+        w = self.current
+        return getattr(w, "paths", None) if w is not None and self.ready else None
+
+    @property
+    def phase(self) -> ModelPhase:
+        """Derived from the state the lifecycle task keeps, here and nowhere else."""
+        if self._stopped:
+            return ModelPhase.STOPPED
+        if self.removed:
+            return ModelPhase.TERMINATING
+        if self.ready:  # a replacement may be loading beside it
+            return ModelPhase.READY
+        if self._unloading:
+            return ModelPhase.UNLOADING
+        if self.starting is not None:
+            return ModelPhase.LOADING
+        if self.want_loaded:
+            return ModelPhase.BACKOFF if self.retry_after() > 0 else ModelPhase.LOADING
+        if self.failed_at is not None and not self.manifest.spec.preload:
+            return ModelPhase.FAILED
+        return ModelPhase.UNLOADED
 
     @property
     def inflight(self) -> int:
@@ -97,6 +127,8 @@ class ModelRuntime(StatusRecord, MemoryAccount):
 
     @property
     def keep_alive(self) -> float:
+        if self.rank is not None:  # every rank must run for any to serve
+            return math.inf
         if self.keep_alive_override is not None:
             return self.keep_alive_override
         if self.manifest.spec.keep_alive is not None:
@@ -136,15 +168,16 @@ class ModelRuntime(StatusRecord, MemoryAccount):
                 self.observed_generation = self.generation
             self._arm_idle_timer()
 
-    def load(self) -> None:
-        """Called by the scheduler once the model fits."""
+    def claim_memory(self) -> None:
+        """Called by the scheduler once the model fits: start loading."""
         if not self.want_loaded:
             self.want_loaded = True
             self._unloaded.clear()
             self._failed.clear()
             self._wake.set()
 
-    def unload(self, reason: str) -> None:
+    def release_memory(self, reason: str) -> None:
+        """Called by the scheduler: stop the workers (once their requests finish)."""
         if self.want_loaded:
             self.want_loaded = False
             self.event("Normal", "Unloading", reason)
@@ -172,6 +205,88 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         if self._failed.is_set():
             raise RuntimeError(self.last_error or "the model failed to load")
         raise TimeoutError
+
+    # ---- admission -------------------------------------------------------
+
+    async def acquire(self, deadline: float, keep_alive: Optional[float] = None) -> Lease:
+        """A lease on the serving worker, loading the model first if needed; raises
+        ``AdmissionError``. ``keep_alive`` (a request's) replaces the manifest's."""
+        if keep_alive is not None:
+            self.keep_alive_override = keep_alive
+        if self.ready and self.want_loaded:
+            self._check_queue()
+        await self.ensure_ready(deadline)
+        return Lease(self, deadline)
+
+    async def ensure_ready(self, deadline: float) -> None:
+        """Load if needed (one load, shared by every waiter) and wait for it.
+
+        504 when the request's ``deadline`` passes first; 503 for everything that
+        keeps the model from serving (backoff, failed load, no memory, too slow).
+        """
+        if self.ready and self.want_loaded:
+            return
+        if self.phase is ModelPhase.BACKOFF:
+            retry = self.retry_after()
+            raise AdmissionError(503, f"Model '{self.name}' is not available: "
+                                 f"{self.last_error}. Restarting in about "
+                                 f"{max(1, round(retry))}s.", "model_unavailable",
+                                 retry_after=retry)
+        self._check_queue()
+        wait = self.settings.request_wait_timeout
+        limit = min(deadline, time.monotonic() + wait)
+        self.waiters += 1
+        try:
+            await asyncio.wait_for(self._load_and_wait(limit), time_left(limit))
+        except RuntimeError as e:  # the load failed: every waiter hears why
+            raise AdmissionError(503, f"Model '{self.name}' failed to load: {e}",
+                                 "model_load_failed", retry_after=self.retry_after()) from None
+        except (asyncio.TimeoutError, TimeoutError):
+            if limit >= deadline:
+                raise timeout_error(self.name) from None
+            raise AdmissionError(503, f"Model '{self.name}' did not become ready in "
+                                 f"{wait:.0f}s" + (f": {self.last_error}" if self.last_error
+                                                   else "."),
+                                 "model_unavailable", retry_after=5) from None
+        finally:
+            self.waiters -= 1
+
+    async def _load_and_wait(self, limit: float) -> None:
+        while not (self.ready and self.want_loaded):
+            await self.sup.ensure_loaded(self)
+            await self.wait_ready(max(0.1, time_left(limit)))
+
+    def _check_queue(self) -> None:
+        """503 when the model already has ``maxConcurrency + maxQueue`` requests, running
+        or waiting (for its load or for a batch slot): the same count the worker keeps."""
+        cfg = self.worker_config
+        held = self.waiters + self.inflight
+        if held >= cfg.max_concurrency + cfg.max_queue:
+            raise AdmissionError(503, f"Model '{self.name}' has {held} requests running or "
+                                 f"waiting (maxConcurrency {cfg.max_concurrency} + maxQueue "
+                                 f"{cfg.max_queue}); retry shortly.", "queue_full",
+                                 retry_after=2)
+
+    async def load(self, deadline: float, keep_alive: Optional[float] = None) -> dict:
+        """Load it (``keep_alive`` as a request's) and wait until it serves; its status.
+        Its keep-alive clock starts now, as after a request."""
+        if keep_alive is not None:
+            self.keep_alive_override = keep_alive
+        await self.ensure_ready(deadline)
+        self.last_used = time.time()
+        if not self.inflight:
+            self._arm_idle_timer()
+        return self.status()
+
+    async def unload(self, reason: str = "unload requested") -> dict:
+        """Unload once in-flight requests finish (the worker's drain grace period)."""
+        await self.sup.unload(self, reason)
+        return self.status()
+
+    async def logs(self, tail: int, follow: bool) -> AsyncIterator[str]:
+        from .logs import log_lines
+
+        return log_lines(self.sup.log_path(self.name), tail, follow)
 
     def begin(self) -> WorkerHandle:
         """A request starts on the current worker: it is busy, not idle."""
@@ -204,7 +319,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self._idle_timer = None
         if self.want_loaded and self.inflight == 0 and self.starting is None \
                 and self.waiters == 0:
-            self.unload(f"idle for {self.keep_alive:g}s (keepAlive)")
+            self.release_memory(f"idle for {self.keep_alive:g}s (keepAlive)")
 
     def retry_after(self) -> float:
         """Seconds until another start may be tried after a failure (0: now)."""
@@ -240,7 +355,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
                        "footprintBytes": footprint},
             **self.record_status(self.created),
             "logFile": str(self.sup.log_path(self.name)),
-            "paths": getattr(w, "paths", None) if w and w.alive else None,
+            "paths": self.paths,
         }
 
     # ---- lifecycle -------------------------------------------------------
@@ -280,9 +395,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self._wake.clear()
 
     async def _stay_unloaded(self) -> None:
-        failed = self.failed_at is not None and not self.manifest.spec.preload
-        self.phase = ModelPhase.FAILED if failed else ModelPhase.UNLOADED
-        if failed:
+        if self.phase is ModelPhase.FAILED:
             self.set_condition("Ready", False, "LoadFailed", f"{self.last_error}")
         else:
             self.set_condition("Ready", False, "Unloaded",
@@ -292,11 +405,14 @@ class ModelRuntime(StatusRecord, MemoryAccount):
 
     async def _stop_workers(self) -> None:
         workers = [w for w in (self.starting, self.current) if w is not None]
-        self.phase = ModelPhase.UNLOADING
+        self._unloading = True
         self._ready.clear()
         self.current = self.starting = None
-        await asyncio.gather(*(w.stop(self.settings.drain_timeout, self.settings.stop_timeout)
-                               for w in workers))
+        try:
+            await asyncio.gather(*(w.stop(self.settings.drain_timeout,
+                                          self.settings.stop_timeout) for w in workers))
+        finally:
+            self._unloading = False
         self.event("Normal", "Unloaded", "worker stopped; memory released")
         self.unloads += 1
         self.sup.notify_idle()
@@ -365,7 +481,6 @@ class ModelRuntime(StatusRecord, MemoryAccount):
             self.set_condition("Progressing", True, "NewWorkerStarting",
                                "starting a worker for the new spec; the old one serves")
         else:
-            self.phase = ModelPhase.LOADING
             self.set_condition("Ready", False, "Loading", "the worker is loading the model")
         try:
             await w.spawn()
@@ -393,7 +508,6 @@ class ModelRuntime(StatusRecord, MemoryAccount):
             return
         old, self.current = self.current, w
         self.observed_generation = self.generation
-        self.phase = ModelPhase.READY
         self.loads += 1
         self.failed_at = None
         self._ready.set()
@@ -434,7 +548,6 @@ class ModelRuntime(StatusRecord, MemoryAccount):
     async def _backoff(self) -> None:
         delay = self.retry_after()
         if self.current is None:
-            self.phase = ModelPhase.BACKOFF
             self.set_condition("Ready", False, "CrashLoopBackOff",
                                f"{self.last_error}; restarting in {delay:.0f}s")
         await self._wait_wake(delay)
@@ -449,7 +562,6 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         t.add_done_callback(self._draining.discard)
 
     async def _shutdown(self) -> None:
-        self.phase = ModelPhase.TERMINATING
         self._ready.clear()
         if self._idle_timer:
             self._idle_timer.cancel()
@@ -461,7 +573,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
                 w.kill()
         await asyncio.gather(*(w.stop(self.settings.drain_timeout, self.settings.stop_timeout)
                                for w in workers), *self._draining, return_exceptions=True)
-        self.phase = ModelPhase.STOPPED
+        self._stopped = True
         self.want_loaded = False
         self._unloaded.set()
         self.sup.notify_idle()

@@ -22,7 +22,7 @@ from ..manifest import (
 )
 from ..settings import ServerSettings
 from ..units import fmt_bytes
-from .admission import Acquire, AdmissionError, until_ready
+from .admission import Acquire, AdmissionError, Lease
 from .handle import WorkerHandle
 from .membership import FleetMembership
 from .reconcile import Action, plan
@@ -156,11 +156,29 @@ class Supervisor(FleetMembership):
                 ) -> Acquire:
         """A lease on a ready worker for ``model`` (name or alias), loading it on demand;
         raises ``AdmissionError``. ``deadline`` is ``time.monotonic()`` based."""
-        return Acquire(self, model, deadline, keep_alive)
+        return Acquire(lambda: self._admit(model, deadline, keep_alive))
 
-    async def ready(self, rt: ModelRuntime, deadline: float) -> None:
-        """Load ``rt`` and wait until it serves (no lease); raises ``AdmissionError``."""
-        await until_ready(self, rt, deadline)
+    async def _admit(self, model: str, deadline: float, keep_alive: Optional[float]
+                     ) -> Lease:
+        return await self.find(model).acquire(deadline, keep_alive)
+
+    def find(self, model: str, forwarded: bool = False) -> Any:
+        """The model a request names (``resolve``), or the 404 it gets. ``forwarded``: the
+        request came from another node, which never sends one for a model it does not
+        run here; placements disagree for a moment (a node just came or went), so it is
+        refused, never forwarded again: requests cannot go round in circles."""
+        rt = self.resolve(model)
+        if rt is None:
+            known = ", ".join(self.all_names() + sorted(self.aliases)) or "none"
+            raise AdmissionError(404, f"The model '{model}' does not exist. Available "
+                                 f"models: {known}.", "model_not_found", param="model")
+        if forwarded and rt.node != self.node_name:
+            where = f"node '{rt.node}'" if rt.node else "no node"
+            raise AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node "
+                                 f"'{self.node_name}' that this request was forwarded to; "
+                                 "the nodes are updating their placement, retry shortly.",
+                                 "model_moved", retry_after=1)
+        return rt
 
     # ---- routing ---------------------------------------------------------
 
@@ -264,10 +282,9 @@ class Supervisor(FleetMembership):
             lm = desired.get(name)
             if action is Action.CREATE:
                 log.info("%s: creating (%s)", name, lm.manifest.spec.source)
-                self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self)
-                rt.rank = self._ranks.get(name)
-                if rt.rank is not None:  # every rank must run for any to serve
-                    rt.keep_alive_override = float("inf")
+                self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self,
+                                                      self._ranks.get(name))
+                if rt.rank is not None:
                     log.info("%s: rank %d of %d (%s)", name, rt.rank[0], len(rt.rank[1]),
                              ", ".join(rt.rank[1]))
                 if lm.manifest.spec.preload or rt.rank is not None:
@@ -345,10 +362,10 @@ class Supervisor(FleetMembership):
                     victims = [self.models[n] for n in p.evict]
                     for v in victims:
                         v.evictions += 1
-                        v.unload(f"evicted to make room for '{rt.name}' "
+                        v.release_memory(f"evicted to make room for '{rt.name}' "
                                  f"({fmt_bytes(rt.footprint())})")
                     await asyncio.gather(*(v.wait_unloaded() for v in victims))
-                    rt.load()
+                    rt.claim_memory()
                     return
                 left = deadline - asyncio.get_running_loop().time()
                 if not p.wait or left <= 0:
@@ -364,7 +381,7 @@ class Supervisor(FleetMembership):
 
     async def unload(self, rt: ModelRuntime, reason: str = "unload requested") -> None:
         """Unload after in-flight requests finish (the worker's drain grace period)."""
-        rt.unload(reason)
+        rt.release_memory(reason)
         await rt.wait_unloaded()
         self.notify_idle()
 

@@ -15,13 +15,12 @@ import json
 import re
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from quart import Quart
 
-from ..wire import APIError, parse_model
+from ..wire import APIError, ollama_done, ollama_empty_request, ollama_time, parse_model
 from .app import Worker
 from .images import ImageRef, from_base64
 from .parsers import call_id
@@ -216,10 +215,6 @@ def generate_request(raw: dict[str, Any]) -> GenRequest:
                       template_kwargs=_think(body), **common)
 
 
-def created_at() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 def _line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
 
@@ -261,7 +256,7 @@ class OllamaFold:
             body = {"message": {"role": "assistant", "content": "", **part}}
         else:
             body = {"response": part.pop("content", ""), **part}
-        return _line({"model": self.model, "created_at": created_at(), **body, "done": False})
+        return _line({"model": self.model, "created_at": ollama_time(), **body, "done": False})
 
     def feed(self, batch: list) -> str:
         out = []
@@ -281,7 +276,7 @@ class OllamaFold:
                 self.final = self.counters(self.finish)
                 empty = {"message": {"role": "assistant", "content": ""}} \
                     if self.key == "message" else {"response": ""}
-                out.append(_line({"model": self.model, "created_at": created_at(), **empty,
+                out.append(_line({"model": self.model, "created_at": ollama_time(), **empty,
                                   **self.final}))
         return "".join(out)
 
@@ -293,19 +288,13 @@ class OllamaFold:
                                                 **thinking, **calls}}
         else:
             body = {"response": self.text, **thinking}
-        return {"model": self.model, "created_at": created_at(), **body, **self.final}
+        return {"model": self.model, "created_at": ollama_time(), **body, **self.final}
 
 
 def register_ollama(app: Quart, worker: Worker) -> None:
     name = worker.name
 
-    def loaded(key: str) -> dict[str, Any]:
-        """Ollama's answer to a request with nothing to generate: the model is loaded."""
-        return {"model": name, "created_at": created_at(), key: "" if key == "response"
-                else {"role": "assistant", "content": ""}, "done": True,
-                "done_reason": "load"}
-
-    async def answer(key: str, schema: type, to_request, has_work) -> Any:
+    async def answer(key: str, schema: type, to_request) -> Any:
         """/api/chat (``key`` "message") and /api/generate ("response"): a request with
         nothing to generate loads the model; otherwise NDJSON lines or one object."""
         from quart import request
@@ -313,9 +302,9 @@ def register_ollama(app: Quart, worker: Worker) -> None:
         from ..wire import parse_json_body
 
         raw = parse_json_body(await request.get_data())
-        if not has_work(raw):
+        if ollama_empty_request(request.path, raw):
             parse_model(schema, raw)  # still a 400 for a malformed body
-            return loaded(key)
+            return ollama_done(name, request.path)
         req, pipe = await worker.begin(to_request)
         fold = OllamaFold(name, key, raw.get("think") is not False,
                           lambda finish: _final(pipe, finish))
@@ -326,13 +315,11 @@ def register_ollama(app: Quart, worker: Worker) -> None:
 
     @app.post("/api/chat")
     async def chat():
-        return await answer("message", ChatBody, chat_request,
-                            lambda raw: bool(raw.get("messages")))
+        return await answer("message", ChatBody, chat_request)
 
     @app.post("/api/generate")
     async def generate():
-        return await answer("response", GenerateBody, generate_request,
-                            lambda raw: bool(raw.get("prompt") or raw.get("images")))
+        return await answer("response", GenerateBody, generate_request)
 
     async def _stream(pipe: Pipeline, fold: OllamaFold):
         """NDJSON lines: one per delta, then the final one with the counters."""
