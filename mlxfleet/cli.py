@@ -26,28 +26,8 @@ def _default_name(source: str) -> str:
 
 
 #: ``mlxfleet worker`` flags -> WorkerConfig fields (defaults live in WorkerConfig only).
-_WORKER_FLAGS: list[tuple[str, type, str]] = [
-    ("--revision", str, "Hugging Face revision (branch, tag or commit)"),
-    ("--max-concurrency", int, "sequences decoded together in one batch"),
-    ("--max-queue", int, "requests that may wait beyond max-concurrency before 503"),
-    ("--prefill-batch-size", int, "prompts prefilled in one pass"),
-    ("--prefill-step-size", int, "prompt tokens per prefill chunk"),
-    ("--max-tokens", int, "completion length when a request sets no max_tokens"),
-    ("--max-request-tokens", int, "the largest max_tokens a request may ask for (400 above)"),
-    ("--max-prompt-tokens", int, "the longest prompt in tokens (400 above)"),
-    ("--temperature", float, "default temperature"),
-    ("--top-p", float, "default top_p"),
-    ("--top-k", int, "default top_k (0 = off)"),
-    ("--stream-interval", int, "tokens per streamed chunk (requests may set stream_interval)"),
-    ("--tool-call-parser", str, "tool-call format: auto (from the chat template), hermes, "
-     "qwen, llama, mistral, deepseek, kimi, granite, nemotron, xlam, functionary, glm47, ..."),
-    ("--reasoning-parser", str, "qwen3 or deepseek_r1: split <think> reasoning from the answer"),
-    ("--drain-timeout", float, "seconds SIGTERM waits for in-flight requests"),
-]
-
-
 def _add_worker(sub) -> None:
-    from .worker.config import default
+    from .worker_settings import SETTINGS, default
 
     p = sub.add_parser("worker", help="run one model worker in the foreground",
                        description="Serve one MLX model over the OpenAI API. Flags override "
@@ -59,29 +39,30 @@ def _add_worker(sub) -> None:
     p.add_argument("--name", help="model name clients send as `model` (default: from source)")
     p.add_argument("--bind", default="127.0.0.1:8001",
                    help="unix:PATH or HOST:PORT (default 127.0.0.1:8001)")
-    p.add_argument("--task", choices=["generate", "embedding", "vision"], default=None,
-                   help="embedding: serve /v1/embeddings with an encoder model; vision: a "
-                   "vision-language model (found from the checkpoint when unset)")
-    p.add_argument("--allow-image-urls", action="store_true", default=None,
-                   help="fetch http(s) image URLs sent by clients (off: SSRF risk)")
-    p.add_argument("--trust-remote-code", action="store_true", default=None)
     p.add_argument("--cache-mb", type=int, default=None,
                    help="KV memory budget in MiB: running sequences plus retained prompt "
                    f"caches (default {default('cache_bytes') >> 20})")
     p.add_argument("--cache-percent", type=float, default=None,
                    help="KV memory budget as a share (0-1) of physical memory")
-    p.add_argument("--use-paged-cache", action="store_true", default=None,
-                   dest="paged_cache", help="keep prompts as shared 64-token KV blocks")
-    for flag, typ, text in _WORKER_FLAGS:
-        field = flag[2:].replace("-", "_")
-        d = default(field)
-        p.add_argument(flag, type=typ, default=None,
-                       help=text + (f" (default {d})" if d is not None else ""))
+    for row in SETTINGS:  # every other flag, from the worker settings' table
+        if row.flag is None:
+            continue
+        shown = f" (default {row.default})" \
+            if row.default not in (None, False) and not isinstance(row.type, tuple) else ""
+        if row.type is bool:
+            p.add_argument(row.flag, action="store_true", default=None, dest=row.field,
+                           help=row.help)
+        elif isinstance(row.type, tuple):
+            p.add_argument(row.flag, choices=row.type, default=None, dest=row.field,
+                           help=row.help + shown)
+        else:
+            p.add_argument(row.flag, type=row.type, default=None, dest=row.field,
+                           help=row.help + shown)
 
 
 def worker_config_from_args(args):
     """The WorkerConfig for ``mlxfleet worker``: --config, then the flags given."""
-    from .worker.config import WorkerConfig, cache_budget
+    from .worker_settings import SETTINGS, WorkerConfig, cache_budget
 
     base: dict = {}
     if args.config:
@@ -89,8 +70,7 @@ def worker_config_from_args(args):
         if text.startswith("@"):
             text = Path(text[1:]).read_text()
         base = json.loads(text)
-    given = {f[2:].replace("-", "_") for f, _, _ in _WORKER_FLAGS} | {
-        "source", "name", "task", "trust_remote_code", "paged_cache", "allow_image_urls"}
+    given = {row.field for row in SETTINGS if row.flag is not None} | {"source", "name"}
     base.update({k: getattr(args, k) for k in given if getattr(args, k) is not None})
     if args.cache_mb is not None or args.cache_percent is not None:
         base["cache_bytes"] = cache_budget(args.cache_mb, args.cache_percent)

@@ -33,7 +33,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from .units import parse_duration
-from .worker.config import default as _d
+from .worker_settings import default as _d
 
 API_VERSION = "mlxfleet/v1"
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from mlxfleet.worker.config import WorkerConfig
 from mlxfleet.worker.engine import STEP_FAILURES_FATAL, Engine
 from mlxfleet.worker.generation import EngineError, TokenEvent
 from mlxfleet.worker.sampling import SamplingParams
+from mlxfleet.worker_settings import WorkerConfig
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from mlxfleet.worker.config import WorkerConfig
 from mlxfleet.worker.engine import Engine
 from mlxfleet.worker.generation import TokenEvent
 from mlxfleet.worker.sampling import SamplingParams
+from mlxfleet.worker_settings import WorkerConfig
 
 
 @pytest.fixture

@@ -248,7 +248,7 @@ def test_worker_config_takes_spec_then_server_defaults_then_its_own():
     from mlxfleet.manifest import Manifest
     from mlxfleet.settings import ServerSettings
     from mlxfleet.supervisor.worker_config import worker_config
-    from mlxfleet.worker.config import WorkerConfig
+    from mlxfleet.worker_settings import WorkerConfig
 
     server = ServerSettings(default_cache_mb=256, max_request_tokens=300, max_tokens=40,
                             default_temperature=0.2)
@@ -266,6 +266,48 @@ def test_worker_config_takes_spec_then_server_defaults_then_its_own():
     # The worker's own command line builds the same object.
     r = _cli("worker", "--source", "builtin:tiny", "--max-queue", "-1")
     assert r.returncode == 2 and "max_queue" in r.stderr
+
+
+def test_every_worker_setting_reaches_the_worker_from_manifest_server_and_flag():
+    """The table in worker_settings is the only mapping: each row's manifest field, server
+    setting and flag really carry a value to the worker (a typo would drop it)."""
+    import argparse
+
+    from mlxfleet.cli import _add_worker, worker_config_from_args
+    from mlxfleet.manifest import Manifest
+    from mlxfleet.settings import ServerSettings
+    from mlxfleet.supervisor.worker_config import worker_config
+    from mlxfleet.worker_settings import SETTINGS
+
+    samples = {int: 32, float: 0.5, str: "hermes", bool: True}
+    bare = {"apiVersion": "mlxfleet/v1", "kind": "Model", "metadata": {"name": "m"},
+            "spec": {"source": "x/y"}}
+    parser = argparse.ArgumentParser()
+    _add_worker(parser.add_subparsers(dest="command"))
+    for row in SETTINGS:
+        value = row.type[-1] if isinstance(row.type, tuple) else samples.get(row.type)
+        if row.field == "reasoning_parser":
+            value = "qwen3"
+        if row.field == "revision":
+            value = "main"
+        if row.manifest:
+            doc = json.loads(json.dumps(bare))
+            *parents, leaf = row.manifest.split(".")
+            node = doc["spec"]
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+            m = Manifest.model_validate(doc)
+            assert getattr(worker_config(m, ServerSettings()), row.field) == value, row
+        if row.server:
+            m = Manifest.model_validate(bare)
+            got = worker_config(m, ServerSettings(**{row.server: value}))
+            assert getattr(got, row.field) == value, row
+        if row.flag:
+            argv = ["worker", "--source", "x/y", row.flag] + ([] if row.type is bool
+                                                              else [str(value)])
+            cfg = worker_config_from_args(parser.parse_args(argv))
+            assert getattr(cfg, row.field) == value, row
 
 
 def test_renamed_limit_says_where_it_went():

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..worker.config import WorkerConfig
+from ..worker_settings import WorkerConfig
+from .placement import shard_share
 from .scheduler import Candidate
 from .worker_config import worker_config
 
@@ -32,7 +33,7 @@ class MemoryAccount:
 
     def estimated_bytes(self) -> int:
         shards = len(self.rank[1]) if self.rank else 1  # a sharded model: this rank's share
-        return ((self.weight_bytes or 0) // shards + self.cache_bytes()
+        return (shard_share(self.weight_bytes or 0, shards) + self.cache_bytes()
                 + (self.settings.worker_overhead_mb << 20))
 
     def memory_bytes(self) -> Optional[int]:

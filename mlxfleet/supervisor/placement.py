@@ -110,8 +110,14 @@ def _allowed(m: ModelView, n: NodeView) -> bool:
     return all(n.labels.get(k) == v for k, v in m.selector.items())
 
 
+def shard_share(total: int, shards: int) -> int:
+    """What each of a sharded model's ``shards`` nodes holds of ``total`` bytes (rounded
+    up): placement and each rank's memory account both divide here."""
+    return -(-total // max(shards, 1))
+
+
 def _share(m: ModelView) -> int:
-    return -(-m.estimate // max(len(m.ranks) or m.size, 1))
+    return shard_share(m.estimate, len(m.ranks) or m.size)
 
 
 def _take(free: dict[str, Optional[int]], names, share: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..manifest import Manifest
-from ..worker.config import WorkerConfig, cache_budget
+from ..worker_settings import SETTINGS, WorkerConfig, cache_budget
 
 log = logging.getLogger("mlxfleet.supervisor")
 
@@ -19,42 +19,25 @@ def worker_config(m: Manifest, server: Any = None,
     defaults (``server`` settings), else the worker's own. ``rank``: (this worker's rank,
     every rank's host:port) for a sharded model."""
     s = m.spec
-
-    def pick(own, setting: str):
-        return own if own is not None else getattr(server, setting, None)
-
-    fields = {
-        "name": m.name, "source": s.source, "revision": s.revision, "task": s.task,
-        "trust_remote_code": s.trust_remote_code,
-        "max_concurrency": s.batching.max_concurrency, "max_queue": s.batching.max_queue,
-        "prefill_batch_size": s.batching.prefill_batch_size,
-        "prefill_step_size": s.batching.prefill_step_size,
+    fields: dict[str, Any] = {"name": m.name, "source": s.source}
+    for row in SETTINGS:  # the table: the manifest's value, else the server's setting
+        own = _at(s, row.manifest) if row.manifest else None
+        if own is None and row.server:
+            own = getattr(server, row.server, None)
+        if own is not None:
+            fields[row.field] = own
+    # What the table cannot say: settings computed from several fields or in other units.
+    fields.update({
         "cache_bytes": cache_budget(
             s.cache.memory_mb, s.cache.memory_percent
             if s.cache.memory_mb is not None or s.cache.memory_percent is not None
             else getattr(server, "default_cache_percent", None),
             getattr(server, "default_cache_mb", None)),
-        "paged_cache": pick(s.cache.paged, "use_paged_cache"),
-        "max_tokens": pick(s.defaults.max_tokens, "max_tokens"),
-        "max_request_tokens": pick(s.limits.max_request_tokens, "max_request_tokens"),
-        "max_prompt_tokens": pick(s.limits.max_prompt_tokens, "max_prompt_tokens"),
-        "context_length": s.limits.context_length,
-        "temperature": pick(s.defaults.temperature, "default_temperature"),
-        "top_p": pick(s.defaults.top_p, "default_top_p"),
-        "top_k": s.defaults.top_k,
-        "stream_interval": pick(s.defaults.stream_interval, "stream_interval"),
-        "tool_call_parser": pick(s.parsers.tool_call, "tool_call_parser"),
-        "reasoning_parser": pick(s.parsers.reasoning, "reasoning_parser"),
         "auto_tool_choice": True if s.parsers.tool_call else getattr(
             server, "enable_auto_tool_choice", None),
-        "drain_timeout": getattr(server, "drain_timeout", None),
         "wired_limit_bytes": getattr(server, "wired_limit_bytes", lambda: None)(),
-        "allow_image_urls": getattr(server, "allow_image_urls", None),
         "max_image_bytes": (server.max_image_mb << 20) if server is not None else None,
-        "max_image_pixels": getattr(server, "max_image_pixels", None),
-        "max_images": getattr(server, "max_images", None),
-        "max_request_pixels": getattr(server, "max_request_pixels", None),
-    }
+    })
     if s.cache.disk_mb and server is not None:
         fields["disk_cache_bytes"] = s.cache.disk_mb << 20
         fields["disk_cache_dir"] = str(Path(server.state_dir).expanduser() / "prompt-cache"
@@ -64,6 +47,12 @@ def worker_config(m: Manifest, server: Any = None,
         fields.update(dist_rank=rank[0], dist_hosts=list(rank[1]),
                       dist_backend=s.distributed.backend, dist_strategy=s.distributed.strategy)
     return WorkerConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _at(spec: Any, path: str) -> Any:
+    for part in path.split("."):
+        spec = getattr(spec, part)  # a path the manifest does not have is a bug: raise
+    return spec
 
 
 def warm_prompts(value: Any, server: Any = None) -> Optional[list]:

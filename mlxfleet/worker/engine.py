@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..formats import pick_parsers
-from .config import WorkerConfig
+from ..worker_settings import WorkerConfig
 from .decode import SequenceDecoder, marker_ids, special_token_ids
 from .generation import (
     EngineError,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..wire import APIError
-from .config import WorkerConfig
+from ..worker_settings import WorkerConfig
 
 #: Formats accepted (what Pillow reports); GIFs give their first frame.
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..wire import APIError
-from .config import WorkerConfig
+from ..worker_settings import WorkerConfig
 from .images import ImageRef
 from .sampling import SamplingParams
 

@@ -13,7 +13,7 @@ import os
 import signal
 from typing import Optional
 
-from .config import WorkerConfig
+from ..worker_settings import WorkerConfig
 
 log = logging.getLogger("mlxfleet.worker")
 
