@@ -8,6 +8,12 @@ A manifest file holds one or more YAML documents::
     spec: {source: mlx-community/Qwen3-8B-4bit, aliases: [default]}
 
 Errors name the file, the document (1-based) and the field, as written in YAML.
+
+Over 600 lines on purpose: the schema (``Manifest``, ``NodeManifest`` and their specs)
+and the reader that turns files into them (YAML limits, per-field errors, names and
+aliases unique across files) are one contract: the guide names this file the one
+source of truth for spec fields, and an error is only as good as the schema path it
+names. Its parts: the spec models, then errors and limits, then the file reader.
 """
 
 from __future__ import annotations

@@ -153,8 +153,9 @@ def error_body(err: APIError, path: Optional[str] = None) -> dict[str, Any]:
     return err.body()
 
 
-def stream_error(err: APIError, path: Optional[str] = None) -> str:
-    """The error as the last event of a stream that has already started."""
+def stream_error(err: APIError, path: Optional[str] = None, sequence_number: int = 0) -> str:
+    """The error as the last event of a stream that has already started
+    (``sequence_number``: the Responses API's number for it, one past the last sent)."""
     kind = protocol(path)
     if kind == "anthropic":
         return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n"
@@ -162,7 +163,7 @@ def stream_error(err: APIError, path: Optional[str] = None) -> str:
         return json.dumps({"error": err.message}) + "\n"
     if kind == "responses":  # the Responses API's typed error event
         data = {"type": "error", "code": err.code, "message": err.message,
-                "param": err.param, "sequence_number": 0}
+                "param": err.param, "sequence_number": sequence_number}
         return f"event: error\ndata: {json.dumps(data)}\n\n"
     return sse(err.body()) + "data: [DONE]\n\n"
 

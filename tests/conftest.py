@@ -109,6 +109,26 @@ def worker(start_worker) -> WorkerProc:
                         "--temperature", "0.7")
 
 
+@pytest.fixture(scope="session")
+def demo_fleet(tmp_path_factory):
+    """One ``mlxfleet serve`` shared by the protocol tests (test_api_breadth,
+    test_responses): ``demo`` (the trained model, greedy, alias ``default``), ``tiny``
+    (reasoning parser qwen3) and ``tiny10m`` (builtin:tiny-10m); the Responses store
+    keeps 3 per key."""
+    from fleet import Fleet, manifest
+
+    f = Fleet(tmp_path_factory.mktemp("demo-fleet"), env={"MLXFLEET_RESPONSES_STORE_MAX": "3"})
+    f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
+                                  defaults={"temperature": 0}))
+    f.write("tiny.yaml", manifest("tiny", parsers={"reasoning": "qwen3"}))
+    f.write("tiny10m.yaml", manifest("tiny10m", source="builtin:tiny-10m"))
+    f.start()
+    for name in ("demo", "tiny", "tiny10m"):
+        f.wait_ready(name)
+    yield f
+    f.stop()
+
+
 #: Debian's chromium (scripts/setup.sh test installs it), for the dashboard's tests.
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -8,7 +8,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from fleet import Fleet, manifest
 
 from mlxfleet.worker.parsers import (
     OutputSplitter,
@@ -37,16 +36,8 @@ ALARM = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("breadth"))
-    f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
-                                  defaults={"temperature": 0}))
-    f.write("tiny.yaml", manifest("tiny", parsers={"reasoning": "qwen3"}))
-    f.start()
-    f.wait_ready("demo")
-    f.wait_ready("tiny")
-    yield f
-    f.stop()
+def fleet(demo_fleet):
+    return demo_fleet
 
 
 @pytest.fixture(scope="module")

@@ -254,7 +254,22 @@ def test_worker_crash_mid_stream_ends_with_an_error_event(fleet):
     assert rest[-1] == "data: [DONE]"
     err = json.loads(rest[-2][len("data: "):])
     assert err["error"]["code"] == "worker_failed"
-    fleet.wait_ready("alpha", pid_not=pid)  # and it comes back
+    pid = fleet.wait_ready("alpha", pid_not=pid)["pid"]  # and it comes back
+    # The Responses API's error event takes the next sequence_number, as its SDKs expect
+    with httpx.stream("POST", fleet.url + "/v1/responses", timeout=30,
+                      json={"model": "alpha", "input": "x", "max_output_tokens": 1500,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        events = []
+        while len(events) < 6:
+            ln = next(lines)
+            if ln.startswith("data: "):
+                events.append(json.loads(ln[len("data: "):]))
+        os.kill(pid, signal.SIGKILL)
+        events += [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: ")]
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_failed", events[-1]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    fleet.wait_ready("alpha", pid_not=pid)
 
 
 def test_cli_get_describe_logs_apply_delete(fleet, tmp_path):

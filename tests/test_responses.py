@@ -7,7 +7,6 @@ import json
 import httpx
 import openai
 import pytest
-from fleet import Fleet, manifest
 
 WEATHER = {"type": "function", "name": "get_weather",
            "description": "Get the current weather for a city",
@@ -21,16 +20,8 @@ JAPAN = "What is the capital of Japan?"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("responses"),
-              env={"MLXFLEET_RESPONSES_STORE_MAX": "3"})
-    f.write("demo.yaml", manifest("demo", source="builtin:demo", defaults={"temperature": 0}))
-    f.write("tiny.yaml", manifest("tiny", source="builtin:tiny-10m"))
-    f.start()
-    f.wait_ready("demo")
-    f.wait_ready("tiny")
-    yield f
-    f.stop()
+def fleet(demo_fleet):
+    return demo_fleet
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +99,7 @@ def test_retrieve_input_items_delete_and_store_false(client):
 
 
 def test_the_store_is_bounded(client):
-    ids = [client.responses.create(model="tiny", input="x", max_output_tokens=2).id
+    ids = [client.responses.create(model="tiny10m", input="x", max_output_tokens=2).id
            for _ in range(4)]  # the store holds 3 (MLXFLEET_RESPONSES_STORE_MAX)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(ids[0])
@@ -120,11 +111,11 @@ def test_structured_output_forced_tools_and_length(client):
                                                "n": {"type": "integer", "minimum": 0,
                                                      "maximum": 9}},
               "required": ["ok", "n"], "additionalProperties": False}
-    r = client.responses.create(model="tiny", input="go", max_output_tokens=40,
+    r = client.responses.create(model="tiny10m", input="go", max_output_tokens=40,
                                 text={"format": {"type": "json_schema", "name": "x",
                                                  "schema": schema, "strict": True}})
     assert set(json.loads(r.output_text)) == {"ok", "n"}
-    r = client.responses.create(model="tiny", input="go", tools=[FORECAST],
+    r = client.responses.create(model="tiny10m", input="go", tools=[FORECAST],
                                 tool_choice="required", max_output_tokens=60)
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert call.name == "forecast" and set(json.loads(call.arguments)) == {"unit", "days"}
@@ -199,7 +190,7 @@ def test_what_codex_sends_is_accepted(client, fleet):
 def test_a_forced_freeform_tool_follows_its_lark_grammar(client, stream):
     """Codex's apply_patch: a custom tool with a Lark grammar; forced, the answer is held
     to the grammar and comes back as a custom_tool_call with its raw input."""
-    kw = dict(model="tiny", input="Add a file hello.txt", max_output_tokens=40,
+    kw = dict(model="tiny10m", input="Add a file hello.txt", max_output_tokens=40,
               tools=[APPLY_PATCH], tool_choice={"type": "custom", "name": "apply_patch"})
     if stream:
         events = list(client.responses.create(stream=True, **kw))
@@ -212,7 +203,7 @@ def test_a_forced_freeform_tool_follows_its_lark_grammar(client, stream):
     (call,) = [o for o in final.output if o.type == "custom_tool_call"]
     assert call.name == "apply_patch" and call.input.startswith("*** Begin Patch\n")
     # the call and its output as history: accepted
-    again = client.responses.create(model="tiny", max_output_tokens=4, tools=[APPLY_PATCH],
+    again = client.responses.create(model="tiny10m", max_output_tokens=4, tools=[APPLY_PATCH],
                                     input=[{"role": "user", "content": "Add a file"},
                                            {"type": "custom_tool_call", "call_id": call.call_id,
                                             "name": "apply_patch", "input": call.input},

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Optional
@@ -51,6 +52,7 @@ MODEL_ROUTES = frozenset([
 #: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
 _STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
+_SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')  # in the Responses API's events
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
@@ -330,6 +332,8 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
     that stalls is)."""
     chunks = upstream.aiter_raw()
     deadline = lease.deadline
+    numbered = path == "/v1/responses"  # its events carry a sequence_number
+    seq = 0  # the next one
     try:
         while True:
             try:
@@ -337,17 +341,20 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
                     chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 break
+            if numbered:
+                seen = _SEQUENCE.findall(chunk)
+                seq = int(seen[-1]) + 1 if seen else seq
             yield chunk
             deadline = time.monotonic() + gap
     except (asyncio.TimeoutError, TimeoutError):
         err = timeout_error(lease.name)
         log.warning("%s: %s", lease.name, err.message)
-        yield stream_error(err, path).encode()
+        yield stream_error(err, path, seq).encode()
     except httpx.TransportError as e:
         log.warning("%s: stream broke: %s", lease.name, e)
         err = APIError(502, f"The worker for model '{lease.name}' failed mid-stream.",
                        type="server_error", code="worker_failed")
-        yield stream_error(err, path).encode()
+        yield stream_error(err, path, seq).encode()
     finally:
         await upstream.aclose()
         lease.release()

@@ -8,6 +8,14 @@ step, in one ``call_soon_threadsafe`` for the whole batch rather than one per
 token. Tokens are turned into text here too (``decode.py``), so a stop string
 ends its sequence in the step that produced it. The thread publishes a status
 snapshot; nothing else reads MLX or the prompt cache.
+
+About 800 lines on purpose: everything here runs on the one engine thread and shares
+its state (the batch, the prompt cache, the live sequences); splitting it would pass
+that state between modules without making any part simpler. What can live apart
+does: decisions in ``policy.py`` (pure), per-architecture facts in ``model_facts.py``,
+the prompt cache in ``prompt_cache.py``, detokenizing in ``decode.py``, sampling in
+``sampling.py``, grammars in ``grammar.py``, vision and sharded models in their own
+modules.
 """
 
 from __future__ import annotations
