@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from .cli_store import add_store_commands
 from .units import fmt_age, fmt_bytes
 
 
@@ -166,8 +167,9 @@ def _add_server_commands(sub) -> None:
     v.add_argument("--mcp-config", metavar="FILE", help="MCP servers to start with the "
                    "gateway (the mcpServers JSON desktop assistants use); /v1/mcp routes")
 
-    g = sub.add_parser("get", help="list models or nodes: mlxfleet get models|nodes")
-    g.add_argument("what", choices=["models", "model", "nodes", "node"])
+    g = sub.add_parser("get", help="list models, nodes or the sources on disk: mlxfleet get "
+                       "models|nodes|sources")
+    g.add_argument("what", choices=["models", "model", "nodes", "node", "sources", "source"])
     g.add_argument("-o", "--output", choices=["table", "json", "wide"], default="table")
     d = sub.add_parser("describe", help="show one model's or node's status: mlxfleet "
                        "describe model|node NAME")
@@ -382,6 +384,11 @@ def _table(rows: list[list[str]]) -> str:
 def _run_get(args) -> int:
     if args.what in ("nodes", "node"):
         return _run_get_nodes(args)
+    if args.what in ("sources", "source"):
+        from .cli_store import print_sources
+
+        print_sources(_api(args, "GET", "/sources").json(), args.output)
+        return 0
     data = _api(args, "GET", "/models").json()
     if args.output == "json":
         print(json.dumps(data, indent=2))
@@ -565,6 +572,19 @@ def _run_unload(args) -> int:
     return 0
 
 
+def _run_pull(args) -> int:
+    from .cli_store import run_pull
+
+    key = _cli_key()
+    return run_pull(args, _server_url(args), {"Authorization": f"Bearer {key}"} if key else {})
+
+
+def _run_rm(args) -> int:
+    r = _api(args, "DELETE", "/sources", params={"source": args.source}).json()
+    print(f"source/{r['source']} deleted ({fmt_bytes(r['freedBytes'])} freed)")
+    return 0
+
+
 def _run_delete(args) -> int:
     r = _api(args, "DELETE", f"/models/{args.name}").json()
     print(f"model/{r['deleted']} deleted ({r['file']})")
@@ -678,6 +698,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_server_commands(sub)
     _add_worker(sub)
+    add_store_commands(sub)
     sv = sub.add_parser("service", help="run the server at login or boot (launchd/systemd)",
                         description="Install mlxfleet serve as a launchd agent (macOS) or a "
                         "systemd user unit (Linux); --system: a LaunchDaemon / system unit "
@@ -705,13 +726,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     quiet = args.command not in ("serve", "worker")  # client commands print, not log
     logging.basicConfig(level="WARNING" if quiet else args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "httpx2"):  # a line per request (huggingface_hub uses httpx2)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     commands = {"worker": _run_worker, "make-model": _run_make_model, "serve": _run_serve,
                 "get": _run_get, "describe": _run_describe, "logs": _run_logs,
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
                 "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
                 "schema": _run_schema, "service": _run_service, "mcp": _run_mcp,
-                "launch": _run_launch}
+                "launch": _run_launch, "pull": _run_pull, "rm": _run_rm}
     return commands[args.command](args)
 
 

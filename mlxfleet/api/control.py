@@ -88,6 +88,28 @@ def register_control(app: Quart, supervisor: Any) -> None:
             return text, 200, {"Content-Type": "text/plain; charset=utf-8"}
         return streaming_response(lines, content_type="text/plain; charset=utf-8")
 
+    @app.get(f"{base}/sources")
+    async def sources():
+        """What is on disk, which models use it, and the pulls under way."""
+        from ..store import stored
+        from .ollama_store import created_root
+
+        items = await asyncio.to_thread(stored, created_root(supervisor.settings.state_dir))
+        users: dict[str, list[str]] = {}
+        for rt in supervisor.entries():
+            users.setdefault(rt.manifest.spec.source, []).append(rt.name)
+        return {"items": [s.as_dict(users.get(s.source, [])) for s in items],
+                "pulls": supervisor.pulls.status()}
+
+    @app.delete(f"{base}/sources")
+    async def remove_source_route():
+        from .ollama_store import remove_source
+
+        source = request.args.get("source", "")
+        if not source:
+            raise APIError(400, "source is required (?source=owner/name)", param="source")
+        return {"source": source, "freedBytes": await remove_source(supervisor, source)}
+
     @app.post(f"{base}/manifests")
     async def apply():
         text = (await request.get_data()).decode("utf-8", errors="replace")

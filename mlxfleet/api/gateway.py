@@ -21,6 +21,7 @@ from .mcp import register_mcp
 from .metrics import Metrics
 from .model_routes import MODEL_ROUTES, ModelRoutes, log_refusal
 from .ollama import register_ollama
+from .ollama_store import register_ollama_store
 from .responses import ResponseStore, register_responses
 
 log = logging.getLogger("mlxfleet.gateway")
@@ -128,6 +129,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
 
     register_control(app, supervisor)
     register_ollama(app, supervisor)
+    register_ollama_store(app, supervisor)
     register_dashboard(app)
     register_responses(app, store, bool(settings.api_keys))
     register_mcp(app, mcp)

@@ -59,6 +59,10 @@ class RateLimiter:
 
 CONTROL_PREFIX = "/mlxfleet/v1/"
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
+#: Ollama's routes that change what is on disk: control writes (the admin key), though
+#: they take Ollama's bodies as its clients and ``curl -d`` send them.
+STORE_WRITES = frozenset({"/api/pull", "/api/delete", "/api/copy", "/api/create",
+                          "/api/push"})
 #: Bodies the control API's writes take: none of them is one a page may send cross-origin
 #: without a CORS preflight (which this server never grants).
 _CONTROL_TYPES = ("application/json", "application/yaml", "application/x-yaml", "text/yaml",
@@ -137,7 +141,8 @@ class Guard:
         if path == "/" or path.startswith("/ui/"):
             return None  # the dashboard's static files
         if method in _WRITES:
-            self._check_origin(headers, path.startswith(CONTROL_PREFIX))
+            self._check_origin(headers, path.startswith(CONTROL_PREFIX)
+                               or path in STORE_WRITES)
         sender = self._from_node(headers, remote_addr) if self.fleet else None
         if sender is not None and self.fleet_key:
             return sender  # another node, proven by the key: it admitted the client already
@@ -154,6 +159,9 @@ class Guard:
         if path.startswith(CONTROL_PREFIX) and method in _WRITES:
             self._control_write(key, remote_addr)
             self._check_content_type(headers)
+            return sender
+        if path in STORE_WRITES:
+            self._control_write(key, remote_addr)
             return sender
         # Without a fleet key anyone on this machine can claim to be a node: such a
         # request is still only forwarded once, but it is rate limited like any other.

@@ -21,6 +21,7 @@ from ..manifest import (
     load_paths,
 )
 from ..settings import ServerSettings
+from ..store import Pulls
 from ..units import fmt_bytes
 from .admission import Acquire, AdmissionError, Lease
 from .handle import WorkerHandle
@@ -99,6 +100,7 @@ class Supervisor(FleetMembership):
         self._last_good_nodes: dict[str, list[NodeManifest]] = {}
         self._estimates: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, tuple[str, ...]]] = {}  # sharded models run here
+        self.pulls = Pulls()  # downloads running on this machine
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).

@@ -1,0 +1,396 @@
+"""Models on disk: pulling a source with progress, listing and removing what is stored.
+
+One store per machine: Hugging Face checkpoints live in the Hugging Face cache
+(``HF_HOME`` / ``HF_HUB_CACHE``; the same files ``mlx_lm.load`` and every other MLX tool
+use), builtin and zoo models in mlxfleet's cache. A pull is ``snapshot_download`` (the
+real path: resumable ``.incomplete`` files, one blob per content hash), watched from
+outside for progress (the cache's blob files grow as they download), then verified:
+each LFS file's SHA-256 against the hub's listing, a mismatch deleted and fetched again
+once. Progress comes as Ollama's ``/api/pull`` status objects, which the CLI draws as a
+bar and the gateway streams as they are.
+
+A leaf: the CLI, the gateway and the supervisor use it; it imports nothing of theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .sources import SourceError, _check_repo_id, source_kind
+
+Event = dict[str, Any]  # one of Ollama's /api/pull status objects
+#: How often a running download reports its bytes.
+PROGRESS_INTERVAL = 0.25
+
+
+class PullError(RuntimeError):
+    """A pull that cannot finish; ``status`` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class RemoteFile:
+    """A file of the checkpoint as the hub lists it."""
+
+    name: str
+    size: int
+    blob: str  # the cache's blob name: the LFS SHA-256, else the git object id
+    sha256: Optional[str]  # LFS files only: what the content must hash to
+
+    @property
+    def digest(self) -> str:
+        return f"sha256:{self.sha256}" if self.sha256 else f"git:{self.blob}"
+
+
+def pull(source: str, revision: Optional[str] = None,
+         on_event: Callable[[Event], None] = lambda e: None) -> Path:
+    """Bring ``source`` onto this machine (a no-op when it is there) and return its
+    directory; progress goes to ``on_event``. Raises ``PullError``."""
+    kind = source_kind(source)
+    on_event({"status": "pulling manifest"})
+    _quiet_hub()
+    if kind != "hf":
+        from .sources import resolve_source
+
+        try:
+            path = resolve_source(source, revision)  # builtin: written once, here
+        except SourceError as e:
+            raise PullError(str(e), 404) from None
+        on_event({"status": "success"})
+        return path
+    try:
+        _check_repo_id(source)
+    except SourceError as e:
+        raise PullError(str(e), 400) from None
+    commit, files = _listing(source, revision)
+    blobs = _repo_dir(source) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        if f.sha256:  # the weights: resumable, verified before they enter the cache
+            fetch_blob(hub_url(source, f.name, commit), f, blobs, on_event)
+    on_event({"status": "verifying sha256 digest"})
+    path = _snapshot(source, revision or commit, files)  # the small files, and the links
+    for f in files:
+        if not f.sha256:
+            on_event(_file_event(f, f.size))
+    on_event({"status": "writing manifest"})
+    on_event({"status": "success"})
+    return path
+
+
+def _file_event(f: RemoteFile, done: int) -> Event:
+    return {"status": f"pulling {f.name}", "digest": f.digest, "total": f.size,
+            "completed": min(done, f.size)}
+
+
+def hub_url(repo: str, name: str, commit: str) -> str:
+    from huggingface_hub import hf_hub_url
+
+    return hf_hub_url(repo, name, revision=commit)
+
+
+def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event], None],
+               headers: Optional[dict] = None, attempts: int = 2) -> Path:
+    """One LFS file into the cache's ``blobs/<sha256>``: ranged GETs that continue a
+    ``<sha256>.incomplete`` left by an earlier pull, the whole checked against its
+    SHA-256 before it is moved in; a mismatch is deleted and fetched again once.
+
+    Hand-written on purpose: huggingface_hub 2.x downloads into a fresh temporary file
+    each time (huggingface_hub#4228) and deletes it on failure, so a pull of tens of
+    gigabytes killed near the end would start again from zero. The rest of the
+    checkpoint still comes through ``snapshot_download``, which finds these blobs in
+    place and links them into the snapshot."""
+
+    final = blobs / f.blob
+    if final.exists():
+        on_event(_file_event(f, f.size))
+        return final
+    part = blobs / f"{f.blob}.incomplete"
+    for _ in range(attempts):
+        start = part.stat().st_size if part.exists() else 0
+        if start > f.size:
+            part.unlink()
+            start = 0
+        on_event(_file_event(f, start))
+        if start < f.size:
+            _get_range(url, part, start, f, headers, on_event)
+        on_event({"status": "verifying sha256 digest", "digest": f.digest})
+        if sha256_file(part) == f.sha256:
+            os.replace(part, final)
+            return final
+        part.unlink()  # a flipped byte somewhere: fetched again, whole
+    raise PullError(f"{f.name}: the download did not match its SHA-256 twice; removed")
+
+
+def _get_range(url: str, part: Path, start: int, f: RemoteFile, headers: Optional[dict],
+               on_event: Callable[[Event], None]) -> None:
+    import httpx
+    from huggingface_hub.utils import build_hf_headers
+
+    h = {**build_hf_headers(), **(headers or {})}
+    if start:
+        h["Range"] = f"bytes={start}-"
+    sent = time.monotonic()
+    try:
+        with httpx.stream("GET", url, headers=h, follow_redirects=True,
+                          timeout=httpx.Timeout(60, connect=10)) as r:
+            if r.status_code == 200 and start:  # the server ignored the range: restart
+                start = 0
+            elif r.status_code not in (200, 206):
+                raise PullError(f"{f.name}: HTTP {r.status_code} from {url}")
+            done = start
+            with open(part, "ab" if start else "wb") as out:
+                for chunk in r.iter_bytes(1 << 20):
+                    out.write(chunk)
+                    done += len(chunk)
+                    if time.monotonic() - sent >= PROGRESS_INTERVAL:
+                        sent = time.monotonic()
+                        on_event(_file_event(f, done))
+            on_event(_file_event(f, done))
+    except httpx.HTTPError as e:
+        raise PullError(f"{f.name}: download broke off ({e or type(e).__name__}); pull again "
+                        "to continue where it stopped") from None
+
+
+def _snapshot(repo: str, revision: str, files: list[RemoteFile]) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, revision=revision,
+                                      allow_patterns=[f.name for f in files]))
+    except Exception as e:  # noqa: BLE001 - the hub's many errors: one message
+        raise PullError(f"{repo}: download failed: {e}") from None
+
+
+def _quiet_hub() -> None:
+    """No tqdm bars from huggingface_hub on our stderr: progress is ours to report."""
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+
+
+def allow_patterns() -> list[str]:
+    """What ``mlx_lm.load`` reads of a checkpoint (weights, config, tokenizer, code)."""
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    return list(DEFAULT_ALLOW_PATTERNS)
+
+
+def _listing(repo: str, revision: Optional[str]) -> tuple[str, list[RemoteFile]]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        filter_repo_objects,
+    )
+
+    api = HfApi()
+    try:
+        commit = api.repo_info(repo, revision=revision).sha
+        tree = [f for f in api.list_repo_tree(repo, recursive=True, revision=commit)
+                if isinstance(f, RepoFile)]
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError,
+            EntryNotFoundError) as e:
+        raise PullError(f"{repo}: not found on the hub ({type(e).__name__})", 404) from None
+    except Exception as e:  # noqa: BLE001 - the hub's many network errors: one message
+        raise PullError(f"{repo}: cannot reach the hub: {e}", 502) from None
+    wanted = set(filter_repo_objects([f.path for f in tree], allow_patterns=allow_patterns()))
+    files = [RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id,
+                        f.lfs.sha256 if f.lfs else None)
+             for f in tree if f.path in wanted]
+    if not any(f.name.endswith(".safetensors") for f in files):
+        raise PullError(f"{repo}: no safetensors weights in this repository (MLX loads "
+                        "safetensors)", 404)
+    return commit, files
+
+
+def _repo_dir(repo: str) -> Path:
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- what is stored ------------------------------------------------------------------
+
+@dataclass
+class Stored:
+    """One source on this machine's disk."""
+
+    source: str
+    path: str
+    size: int  # bytes on disk
+    revisions: list[str] = field(default_factory=list)
+    modified: float = 0.0  # last write, epoch seconds
+
+    def as_dict(self, used_by: list[str]) -> dict[str, Any]:
+        return {"source": self.source, "path": self.path, "sizeBytes": self.size,
+                "revisions": self.revisions, "modifiedAt": self.modified, "usedBy": used_by}
+
+
+def stored(created: Optional[Path] = None) -> list[Stored]:
+    """Every source on disk: Hugging Face checkpoints, builtin models, and the
+    checkpoints ``/api/create`` wrote under ``created`` (their source is their path)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    out: list[Stored] = []
+    try:
+        for repo in scan_cache_dir().repos:
+            if repo.repo_type == "model":
+                out.append(Stored(repo.repo_id, str(repo.repo_path), repo.size_on_disk,
+                                  sorted(r.commit_hash[:12] for r in repo.revisions),
+                                  repo.last_modified))
+    except CacheNotFound:
+        pass
+    out.extend(_builtins())
+    for d in sorted(created.iterdir()) if created is not None and created.is_dir() else []:
+        if (d / "config.json").is_file():
+            out.append(Stored(str(d), str(d), _du(d), [], d.stat().st_mtime))
+    return sorted(out, key=lambda s: s.source)
+
+
+def _builtins() -> list[Stored]:
+    from .builtin import BUILTIN_PREFIX, builtin_cache_dir
+
+    out = []
+    root = builtin_cache_dir()
+    for d in sorted(root.glob("*-v*")) if root.is_dir() else []:
+        name = d.name.rsplit("-v", 1)[0]
+        out.append(Stored(BUILTIN_PREFIX + name, str(d), _du(d), [], d.stat().st_mtime))
+    return out
+
+
+def _du(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def remove(source: str, created: Optional[Path] = None) -> Optional[int]:
+    """Delete a stored source; the bytes freed, or None when it is not stored."""
+    for s in stored(created):
+        if s.source == source:
+            shutil.rmtree(s.path, ignore_errors=True)
+            return s.size
+    return None
+
+
+# ---- pulls in progress ------------------------------------------------------------------
+
+class Pull:
+    """One pull running on a thread, watched by any number of clients (``events``), the
+    dashboard and ``describe`` (``progress``). Started through ``Pulls``."""
+
+    def __init__(self, source: str, revision: Optional[str], pulls: Pulls):
+        self.source, self.revision = source, revision
+        self.started = time.time()
+        self.latest: dict[str, Event] = {}  # by status: what a late watcher replays
+        self.status = "starting"
+        self.path: Optional[Path] = None
+        self.error: Optional[PullError] = None
+        self._loop = asyncio.get_running_loop()
+        self._watchers: list[asyncio.Queue] = []
+        self._done = asyncio.Event()
+        self.listed = asyncio.Event()  # the hub answered with the files (or it failed)
+        self.task = asyncio.create_task(self._run(pulls), name=f"pull:{source}")
+
+    async def _run(self, pulls: Pulls) -> None:
+        try:
+            self.path = await asyncio.to_thread(pull, self.source, self.revision,
+                                                self._from_thread)
+        except PullError as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - any failure is this pull's, reported
+            self.error = PullError(f"{self.source}: {e}")
+        finally:
+            pulls.finished(self)
+            self.listed.set()
+            self._done.set()
+            for q in self._watchers:
+                q.put_nowait(None)
+
+    def _from_thread(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._publish, event)
+
+    def _publish(self, event: Event) -> None:
+        self.latest[event["status"]] = event
+        self.status = event["status"]
+        if "total" in event:
+            self.listed.set()
+        for q in self._watchers:
+            q.put_nowait(event)
+
+    async def events(self) -> Any:
+        """Every event from now (after the latest of each kind so far), then the end."""
+        q: asyncio.Queue = asyncio.Queue()
+        for e in list(self.latest.values()):
+            q.put_nowait(e)
+        if self._done.is_set():
+            q.put_nowait(None)
+        else:
+            self._watchers.append(q)
+        try:
+            while (e := await q.get()) is not None:
+                yield e
+        finally:
+            if q in self._watchers:
+                self._watchers.remove(q)
+
+    async def wait(self) -> Path:
+        """The checkpoint's directory once pulled; raises its ``PullError``."""
+        await self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+    def progress(self) -> dict[str, Any]:
+        files = [e for e in self.latest.values() if "total" in e]
+        total = sum(e["total"] for e in files)
+        done = sum(e["completed"] for e in files)
+        elapsed = max(time.time() - self.started, 1e-6)
+        return {"source": self.source, "revision": self.revision,
+                "completedBytes": done, "totalBytes": total or None,
+                "bytesPerSecond": round(done / elapsed),
+                "status": self.status,
+                "startedAt": self.started}
+
+
+class Pulls:
+    """The pulls running on this machine: one per source, however many ask for it."""
+
+    def __init__(self) -> None:
+        self.active: dict[tuple[str, Optional[str]], Pull] = {}
+
+    def start(self, source: str, revision: Optional[str] = None) -> Pull:
+        key = (source, revision)
+        if key not in self.active:
+            self.active[key] = Pull(source, revision, self)
+        return self.active[key]
+
+    def finished(self, p: Pull) -> None:
+        if self.active.get((p.source, p.revision)) is p:
+            del self.active[(p.source, p.revision)]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [p.progress() for p in self.active.values()]

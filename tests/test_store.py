@@ -1,0 +1,155 @@
+"""Models on disk: pull with progress (Ollama's /api/pull, `mlxfleet pull`), resume,
+verification, the store's listing and removal, /api/copy, /api/create, /api/push.
+
+The Hugging Face Hub cannot be reached here: ``tests/hub.py`` answers the routes
+``huggingface_hub`` calls, through ``HF_ENDPOINT``. Everything else is real: the server,
+``snapshot_download``, the cache on disk, the worker loading what was pulled.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import ollama
+import pytest
+from fleet import Fleet, manifest, wait_for
+from hub import Hub, Repo
+
+from mlxfleet.builtin import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def hub():
+    h = Hub({"acme/tiny": Repo.from_dir(ensure_builtin("tiny")),
+             "acme/slow": Repo.from_dir(ensure_builtin("tiny-10m"))})
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, hub):
+    root = tmp_path_factory.mktemp("store")
+    f = Fleet(root, env={"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(root / "hf"),
+                         "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
+    f.write("local.yaml", manifest("local"))
+    f.start()
+    f.wait_ready("local")
+    yield f
+    f.stop()
+
+
+def test_ollama_pull_streams_progress_then_the_model_serves(fleet, hub):
+    client = ollama.Client(host=fleet.url)
+    events = list(client.pull("acme/tiny", stream=True))
+    statuses = [e.status for e in events]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success", statuses
+    assert "verifying sha256 digest" in statuses
+    weights = [e for e in events if e.total and e.digest.startswith("sha256:")]
+    assert weights and weights[-1].completed == weights[-1].total > 700_000
+    # pulled once: a second pull downloads nothing
+    gets = sum(1 for m, p, _ in hub.log if m == "GET" and "/resolve/" in p)
+    assert client.pull("acme/tiny", stream=False).status == "success"
+    assert sum(1 for m, p, _ in hub.log if m == "GET" and "/resolve/" in p) == gets
+    # a manifest naming it loads from the store
+    fleet.write("pulled.yaml", manifest("pulled", source="acme/tiny"))
+    fleet.wait_ready("pulled")
+    r = fleet.openai().chat.completions.create(model="pulled", max_tokens=4,
+                                               messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content
+    # and the store lists it, with the model that uses it
+    out = fleet.cli("get", "sources").stdout
+    row = next(ln for ln in out.splitlines() if ln.startswith("acme/tiny"))
+    assert "pulled" in row and "KB" in row or "MB" in row, out
+
+
+def test_pull_errors_are_clear(fleet):
+    r = httpx.post(fleet.url + "/api/pull", json={"model": "acme/nope"}, timeout=30)
+    assert r.status_code == 404 and "not found" in r.json()["error"], r.text
+    r = httpx.post(fleet.url + "/api/pull", json={"model": "llama3.2"}, timeout=30)
+    assert r.status_code == 404 and "owner/name" in r.json()["error"], r.text
+    r = httpx.post(fleet.url + "/api/push", json={"model": "local"}, timeout=30)
+    assert r.status_code == 501 and "hf upload" in r.json()["error"], r.text
+
+
+def test_a_killed_pull_resumes_and_a_corrupted_byte_is_refetched(fleet, hub):
+    hub.throttle = 0.05  # ~1.3 MB/s: slow enough to stop midway
+    env = {**fleet.env, "MLXFLEET_SERVER": "http://127.0.0.1:9"}  # no server: pull here
+    cli = [sys.executable, "-m", "mlxfleet", "pull", "acme/slow"]
+    first = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    blobs = fleet.state.parent / "hf" / "models--acme--slow" / "blobs"
+    assert wait_for(lambda: any(p.stat().st_size > 200_000
+                                for p in blobs.glob("*.incomplete")), 60)
+    first.kill()
+    first.wait()
+    hub.throttle = 0.0
+    hub.corrupt.add("model.safetensors")
+    hub.log.clear()
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    gets = [(p, rng) for m, p, rng in hub.log if m == "GET" and p.endswith("model.safetensors")]
+    # resumed from where it stopped (a Range request, which brought a flipped byte), then
+    # fetched once more, whole, after the file failed its SHA-256
+    assert gets[0][1] and gets[0][1].startswith("bytes=") and gets[0][1] != "bytes=0-", gets
+    assert len(gets) == 2 and gets[1][1] in (None, "bytes=0-"), gets
+    assert "verifying sha256 digest" in done.stdout and "did not match" not in done.stdout
+    assert "success" in done.stdout
+
+
+def test_copy_makes_an_alias_and_create_quantizes_a_local_checkpoint(fleet):
+    client = ollama.Client(host=fleet.url)
+    client.copy("local", "my-local")
+    assert wait_for(lambda: "my-local" in httpx.get(fleet.url + "/mlxfleet/v1/models/local",
+                                                    timeout=10).json()["aliases"], 10)
+    r = fleet.openai().chat.completions.create(model="my-local", max_tokens=2,
+                                               messages=[{"role": "user", "content": "x"}])
+    assert r.model == "local"
+    src = str(ensure_builtin("tiny"))
+    events = list(client.create(model="tiny-q4", from_=src, quantize="q4_K_M", stream=True))
+    assert events[-1].status == "success", events
+    cfg = json.loads((fleet.state / "models" / "tiny-q4" / "config.json").read_text())
+    assert cfg["quantization"]["bits"] == 4
+    r = fleet.openai().chat.completions.create(model="tiny-q4", max_tokens=3,
+                                               messages=[{"role": "user", "content": "x"}])
+    assert r.usage.completion_tokens > 0  # loaded on demand, like a model Ollama created
+    r = httpx.post(fleet.url + "/api/create", json={"model": "x", "from": src,
+                                                     "template": "{{ .Prompt }}"})
+    assert r.status_code == 400 and "template" in r.json()["error"]
+
+
+def test_delete_removes_a_stored_source_but_not_one_in_use(fleet):
+    client = ollama.Client(host=fleet.url)
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("pulled")  # its model is loaded
+    assert e.value.status_code == 409
+    (fleet.dir / "pulled.yaml").unlink()
+    assert wait_for(lambda: fleet.cli("get", "sources").stdout.count("pulled") == 0, 20)
+    client.delete("acme/tiny")
+    assert "acme/tiny" not in fleet.cli("get", "sources").stdout
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("acme/tiny")
+    assert e.value.status_code == 404
+
+
+def test_two_clients_pulling_the_same_source_share_one_download(fleet, hub):
+    hub.log.clear()
+    hub.throttle = 0.01
+    got: list = []
+
+    def one():
+        got.append([e.status for e in ollama.Client(host=fleet.url).pull("acme/tiny",
+                                                                          stream=True)])
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    hub.throttle = 0.0
+    assert [s[-1] for s in got] == ["success", "success"], got
+    gets = [p for m, p, _ in hub.log if m == "GET" and p.endswith("model.safetensors")]
+    assert len(gets) == 1, gets
