@@ -508,6 +508,12 @@ def _run_describe(args) -> int:
               f"{p.get('reasoning') or '-'} (from the {p.get('source')})")
         print(f"Exact paths:   prefill {paths.get('prefill')}; prefix reuse "
               f"{paths.get('prefix_reuse')}")
+    pull = m.get("pull")
+    if pull:
+        total = pull["totalBytes"]
+        print(f"Pulling:       {fmt_bytes(pull['completedBytes'])}"
+              + (f" of {fmt_bytes(total)} ({pull['completedBytes'] * 100 // total}%)"
+                 if total else "") + f", {fmt_bytes(pull['bytesPerSecond'])}/s")
     print(f"Last error:    {m['lastError'] or '-'}")
     print(f"Log:           {m['logFile']}")
     print("Conditions:")

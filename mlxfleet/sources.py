@@ -20,6 +20,12 @@ from typing import Optional
 
 from .builtin import BUILTIN_PREFIX
 
+#: What ``mlx_lm.load`` reads of a checkpoint: mlx_lm.utils.DEFAULT_ALLOW_PATTERNS, copied
+#: because importing mlx_lm (transformers with it) costs the control plane ~3 s and
+#: ~100 MB; tests/test_store.py checks the two stay equal.
+ALLOW_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                  "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
+
 
 class SourceError(ValueError):
     """The source cannot be turned into a model directory."""
@@ -48,11 +54,12 @@ def resolve_source(source: str, revision: Optional[str] = None) -> Path:
             raise SourceError(f"{path} is not a model directory (no config.json)")
         return path
     _check_repo_id(source)
+    here = local_dir(source, revision)
+    if here is not None:  # pulled already: no call to the hub (`mlxfleet pull` updates)
+        return here
     from huggingface_hub import snapshot_download
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    return Path(snapshot_download(source, revision=revision,
-                                  allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    return Path(snapshot_download(source, revision=revision, allow_patterns=ALLOW_PATTERNS))
 
 
 def _check_repo_id(source: str) -> None:
@@ -77,9 +84,14 @@ def local_dir(source: str, revision: Optional[str] = None) -> Optional[Path]:
         _check_repo_id(source)
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+        # the files a load needs (as pulled); huggingface_hub 2.x calls a snapshot
+        # without the repo's other files (README, images) incomplete otherwise
+        d = Path(snapshot_download(source, revision=revision, local_files_only=True,
+                                   allow_patterns=ALLOW_PATTERNS))
     except Exception:  # noqa: BLE001 - not cached (or not a repo id): unknown
         return None
+    # a snapshot left half-written by an interrupted download is not "on disk"
+    return d if (d / "config.json").is_file() and any(d.glob("*.safetensors")) else None
 
 
 def weight_bytes(source: str, revision: Optional[str] = None) -> Optional[int]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .sources import SourceError, _check_repo_id, source_kind
+from .sources import ALLOW_PATTERNS, SourceError, _check_repo_id, source_kind
 
 Event = dict[str, Any]  # one of Ollama's /api/pull status objects
 #: How often a running download reports its bytes.
@@ -80,11 +80,16 @@ def pull(source: str, revision: Optional[str] = None,
         if f.sha256:  # the weights: resumable, verified before they enter the cache
             fetch_blob(hub_url(source, f.name, commit), f, blobs, on_event)
     on_event({"status": "verifying sha256 digest"})
-    path = _snapshot(source, revision or commit, files)  # the small files, and the links
+    path = _snapshot(source, commit, files)  # the small files, and the links
     for f in files:
         if not f.sha256:
             on_event(_file_event(f, f.size))
     on_event({"status": "writing manifest"})
+    ref = revision or "main"
+    if ref != commit:  # the branch or tag -> this commit, so loading needs no hub call
+        refs = _repo_dir(source) / "refs"
+        refs.mkdir(exist_ok=True)
+        (refs / ref).write_text(commit)
     on_event({"status": "success"})
     return path
 
@@ -180,13 +185,6 @@ def _quiet_hub() -> None:
     disable_progress_bars()
 
 
-def allow_patterns() -> list[str]:
-    """What ``mlx_lm.load`` reads of a checkpoint (weights, config, tokenizer, code)."""
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
-    return list(DEFAULT_ALLOW_PATTERNS)
-
-
 def _listing(repo: str, revision: Optional[str]) -> tuple[str, list[RemoteFile]]:
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
@@ -208,7 +206,7 @@ def _listing(repo: str, revision: Optional[str]) -> tuple[str, list[RemoteFile]]
         raise PullError(f"{repo}: not found on the hub ({type(e).__name__})", 404) from None
     except Exception as e:  # noqa: BLE001 - the hub's many network errors: one message
         raise PullError(f"{repo}: cannot reach the hub: {e}", 502) from None
-    wanted = set(filter_repo_objects([f.path for f in tree], allow_patterns=allow_patterns()))
+    wanted = set(filter_repo_objects([f.path for f in tree], allow_patterns=ALLOW_PATTERNS))
     files = [RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id,
                         f.lfs.sha256 if f.lfs else None)
              for f in tree if f.path in wanted]
@@ -294,6 +292,13 @@ def remove(source: str, created: Optional[Path] = None) -> Optional[int]:
             shutil.rmtree(s.path, ignore_errors=True)
             return s.size
     return None
+
+
+def is_stored(source: str, revision: Optional[str] = None) -> bool:
+    """Whether loading ``source`` needs no download."""
+    from .sources import local_dir
+
+    return local_dir(source, revision) is not None
 
 
 # ---- pulls in progress ------------------------------------------------------------------

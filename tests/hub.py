@@ -29,8 +29,8 @@ class Repo:
         self.files, self.commit = files, commit
 
     @staticmethod
-    def from_dir(d: Path) -> Repo:
-        return Repo({p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()})
+    def from_dir(d: Path, **kw) -> Repo:
+        return Repo({p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}, **kw)
 
     def entry(self, name: str) -> dict:
         data = self.files[name]

@@ -25,7 +25,8 @@ from mlxfleet.builtin import ensure_builtin
 @pytest.fixture(scope="module")
 def hub():
     h = Hub({"acme/tiny": Repo.from_dir(ensure_builtin("tiny")),
-             "acme/slow": Repo.from_dir(ensure_builtin("tiny-10m"))})
+             "acme/slow": Repo.from_dir(ensure_builtin("tiny-10m")),
+             "acme/applied": Repo.from_dir(ensure_builtin("tiny-10m"), commit="f" * 40)})
     yield h
     h.close()
 
@@ -64,6 +65,14 @@ def test_ollama_pull_streams_progress_then_the_model_serves(fleet, hub):
     out = fleet.cli("get", "sources").stdout
     row = next(ln for ln in out.splitlines() if ln.startswith("acme/tiny"))
     assert "pulled" in row and "KB" in row or "MB" in row, out
+
+
+def test_the_files_pulled_are_those_mlx_lm_loads():
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    from mlxfleet.sources import ALLOW_PATTERNS
+
+    assert ALLOW_PATTERNS == list(DEFAULT_ALLOW_PATTERNS)
 
 
 def test_pull_errors_are_clear(fleet):
@@ -153,3 +162,22 @@ def test_two_clients_pulling_the_same_source_share_one_download(fleet, hub):
     assert [s[-1] for s in got] == ["success", "success"], got
     gets = [p for m, p, _ in hub.log if m == "GET" and p.endswith("model.safetensors")]
     assert len(gets) == 1, gets
+
+
+def test_a_manifest_whose_weights_are_not_here_is_pulled_when_applied(fleet, hub):
+    hub.throttle = 0.02
+    fleet.write("applied.yaml", manifest("applied", source="acme/applied", preload=False))
+    assert wait_for(lambda: (fleet.status("applied") or {}).get("pull"), 20)
+    out = fleet.cli("describe", "model", "applied").stdout
+    assert "Pulling:" in out and "Pulling" in out.split("Events:")[1], out
+    # meanwhile the other models serve
+    assert fleet.chat("local").choices[0].message.content is not None
+    hub.throttle = 0.0
+    assert wait_for(lambda: not fleet.status("applied")["pull"], 60)
+    reasons = [e["reason"] for e in fleet.status("applied")["events"]]
+    assert reasons[-2:] == ["Pulling", "Pulled"], reasons
+    # it was not loaded by the pull (preload: false), and loads from disk on demand
+    assert fleet.status("applied")["phase"] == "Unloaded"
+    gets = len([1 for m, p, _ in hub.log if m == "GET" and "/applied/" in p])
+    assert fleet.chat("applied").usage.completion_tokens > 0
+    assert len([1 for m, p, _ in hub.log if m == "GET" and "/applied/" in p]) == gets, hub.log[-6:]

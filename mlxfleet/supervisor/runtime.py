@@ -356,6 +356,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
             **self.record_status(self.created),
             "logFile": str(self.sup.log_path(self.name)),
             "paths": self.paths,
+            "pull": (lambda p: p.progress() if p else None)(self.pull()),
         }
 
     # ---- lifecycle -------------------------------------------------------
@@ -472,6 +473,8 @@ class ModelRuntime(StatusRecord, MemoryAccount):
                 return  # changed again (or unloaded, removed): decide afresh
             except asyncio.TimeoutError:
                 pass
+        if not await self._pulled():
+            return
         if self.weight_bytes is None:
             await self._measure_weights()
         w = self.sup.new_worker(self)
@@ -521,6 +524,48 @@ class ModelRuntime(StatusRecord, MemoryAccount):
             self.set_condition("Progressing", True, "RolloutComplete",
                                "traffic moved to the new worker")
             self._drain(old)
+
+    def pull(self) -> Any:
+        """The download of this model's weights under way on this machine, if any."""
+        spec = self.manifest.spec
+        return self.sup.pulls.active.get((spec.source, spec.revision))
+
+    async def _pulled(self) -> bool:
+        """Weights not on disk are pulled through the store (``Supervisor._fetch`` may
+        have started it), never by the worker; False when the pull failed (a failed
+        start) or a change came first."""
+        from ..sources import source_kind
+        from ..store import PullError, is_stored
+
+        spec = self.manifest.spec
+        pull = self.pull()
+        if pull is None:
+            if source_kind(spec.source) != "hf" or await asyncio.to_thread(
+                    is_stored, spec.source, spec.revision):
+                return True
+            pull = self.sup.pulls.start(spec.source, spec.revision)
+        self.set_condition("Ready", False, "Pulling", f"pulling {pull.source}")
+        done = asyncio.ensure_future(pull.wait())
+        woken = asyncio.ensure_future(self._wake.wait())
+        await asyncio.wait({done, woken}, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
+        if not done.done():
+            done.cancel()
+            return False
+        try:
+            done.result()
+        except PullError as e:
+            self.failures += 1
+            self.failed_at = time.monotonic()
+            self.last_error = str(e)
+            self.event("Warning", "LoadFailed", self.last_error)
+            self._failed.set()
+            if not self.manifest.spec.preload:
+                self.want_loaded = False
+                self.sup.notify_idle()
+            return False
+        self.weight_bytes = None  # measured now that they are here
+        return True
 
     async def _measure_weights(self) -> None:
         from ..sources import weight_bytes

@@ -289,12 +289,16 @@ class Supervisor(FleetMembership):
                 if rt.rank is not None:
                     log.info("%s: rank %d of %d (%s)", name, rt.rank[0], len(rt.rank[1]),
                              ", ".join(rt.rank[1]))
+                self._spawn(self._fetch(rt))
                 if lm.manifest.spec.preload or rt.rank is not None:
                     self._spawn(self._preload(rt))
             elif action in (Action.KEEP, Action.REPLACE):
                 rt = self.models[name]
                 was = rt.manifest.spec.preload
+                moved = lm.manifest.source_changed(rt.manifest)
                 rt.update(lm.manifest, lm.file, restart=action is Action.REPLACE)
+                if moved:
+                    self._spawn(self._fetch(rt))
                 if lm.manifest.spec.preload and not was:
                     self._spawn(self._preload(rt))
             elif action is Action.DELETE:
@@ -321,6 +325,25 @@ class Supervisor(FleetMembership):
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    async def _fetch(self, rt: ModelRuntime) -> None:
+        """A model whose weights are not on this machine is pulled as soon as its manifest
+        is there, loaded or not; its workers wait for the pull rather than download."""
+        from ..sources import source_kind
+        from ..store import PullError, is_stored
+
+        spec = rt.manifest.spec
+        if source_kind(spec.source) != "hf" or await asyncio.to_thread(
+                is_stored, spec.source, spec.revision):
+            return
+        pull = self.pulls.start(spec.source, spec.revision)
+        rt.event("Normal", "Pulling", f"pulling {spec.source} onto this machine")
+        try:
+            await pull.wait()
+        except PullError as e:
+            rt.event("Warning", "PullFailed", str(e))
+            return
+        rt.event("Normal", "Pulled", f"{spec.source} is on disk")
 
     async def _preload(self, rt: ModelRuntime) -> None:
         try:
