@@ -181,3 +181,22 @@ def test_a_manifest_whose_weights_are_not_here_is_pulled_when_applied(fleet, hub
     gets = len([1 for m, p, _ in hub.log if m == "GET" and "/applied/" in p])
     assert fleet.chat("applied").usage.completion_tokens > 0
     assert len([1 for m, p, _ in hub.log if m == "GET" and "/applied/" in p]) == gets, hub.log[-6:]
+
+
+def test_the_dashboard_shows_a_download_in_progress(fleet, hub, browser, tmp_path):
+    hub.throttle = 0.05
+    pull = threading.Thread(target=lambda: list(ollama.Client(host=fleet.url).pull(
+        "acme/slow2", stream=True)), daemon=True)
+    hub.repos["acme/slow2"] = Repo.from_dir(ensure_builtin("tiny-10m"), commit="e" * 40)
+    pull.start()
+    pg = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(fleet.url + "/#models")
+    row = pg.wait_for_selector("#downloads-table tr[data-source='acme/slow2']", timeout=20000)
+    assert "MiB" in row.inner_text() and pg.is_visible("#downloads progress")
+    pg.screenshot(path=str(tmp_path / "downloads.png"), full_page=True)
+    hub.throttle = 0.0
+    pull.join(60)
+    pg.wait_for_selector("#downloads", state="hidden", timeout=20000)
+    assert not errors, errors

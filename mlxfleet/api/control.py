@@ -39,7 +39,8 @@ def register_control(app: Quart, supervisor: Any) -> None:
     async def list_models():
         errors = {f: [str(e) for e in errs] for f, errs in supervisor.file_errors.items()}
         return {"items": [rt.status() for rt in supervisor.entries()],
-                "manifestErrors": errors, "memory": supervisor.memory_status()}
+                "manifestErrors": errors, "memory": supervisor.memory_status(),
+                "pulls": supervisor.pulls.status()}
 
     @app.get(f"{base}/node")
     async def node():

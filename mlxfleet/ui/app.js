@@ -158,12 +158,13 @@ function renderModels() {
   const errs = Object.entries(manifestErrors || {});
   $("#manifest-errors").hidden = !errs.length;
   $("#manifest-errors").textContent = errs.map(([f, e]) => `${f}: ${e.join("; ")}`).join("\n");
+  renderDownloads(state.models.pulls || []);
   const body = $("#models-table tbody");
   body.replaceChildren(...items.map((m) => el("tr", { "data-model": m.name },
     el("td", {}, el("a", { href: `#model/${encodeURIComponent(m.name)}` }, m.name)),
     el("td", {}, m.aliases.join(", ")),
     el("td", { class: "src", title: m.source }, m.source),
-    el("td", { class: `phase ${m.phase}` }, m.phase),
+    el("td", { class: `phase ${m.phase}` }, m.pull ? `Pulling ${percent(m.pull)}` : m.phase),
     el("td", {}, m.node || "local"),
     el("td", {}, m.loaded ? gib(m.memoryBytes) : "-"),
     el("td", {}, countdown(m)),
@@ -174,6 +175,19 @@ function renderModels() {
       el("button", { onclick: () => act(m.name, "unload") }, "Unload"),
       el("button", { class: "danger", onclick: () => remove(m.name) }, "Delete")),
   )));
+}
+
+const percent = (p) => p.totalBytes ? `${Math.floor(100 * p.completedBytes / p.totalBytes)}%` : "";
+
+function renderDownloads(pulls) {
+  // pulls under way on this machine: /api/pull, `mlxfleet pull`, manifests being applied
+  $("#downloads").hidden = !pulls.length;
+  $("#downloads-table tbody").replaceChildren(...pulls.map((p) => el("tr", { "data-source": p.source },
+    el("td", { class: "src" }, p.source),
+    el("td", {}, el("progress", { max: p.totalBytes || 1, value: p.completedBytes })),
+    el("td", {}, `${percent(p)} ${gib(p.completedBytes)} of ${gib(p.totalBytes)}`),
+    el("td", {}, `${gib(p.bytesPerSecond)}/s`),
+    el("td", { class: "muted" }, p.status))));
 }
 
 async function act(name, what) {
