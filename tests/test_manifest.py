@@ -191,7 +191,8 @@ def test_schema_command_matches_the_committed_schema():
     assert json.loads((ROOT / "docs" / "manifest.schema.json").read_text()) == schema
 
 
-@pytest.mark.parametrize("folder", ["manifests", "examples", "examples/fleet"])
+@pytest.mark.parametrize("folder", ["manifests", "examples", "examples/fleet",
+                                    "examples/pull-and-serve"])
 def test_bundled_manifests_and_examples_validate(folder):
     results = load_paths([ROOT / folder])
     assert results and not [str(e) for r in results for e in r.errors]
