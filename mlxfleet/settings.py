@@ -95,6 +95,9 @@ class ServerSettings(BaseSettings):
                                "unanswered before its models move to other nodes")
     fleet_poll_interval: float = Field(2.0, gt=0, description="fleets: seconds between polls "
                                        "of the other nodes")
+    peer_copy_rate_mb: int = Field(100, ge=0, description="fleets: MB/s at most a node "
+                                   "takes from another when copying weights (so serving is "
+                                   "not starved); 0 = no cap")
     rate_limit: int = Field(0, ge=0, description="requests per minute per client; 0 = off")
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")

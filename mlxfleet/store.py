@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from typing import Any, Optional
 from .sources import ALLOW_PATTERNS, SourceError, _check_repo_id, source_kind
 
 Event = dict[str, Any]  # one of Ollama's /api/pull status objects
+#: Where a node serves what it holds to the other nodes of its fleet (fleet key).
+PEER_ROUTE = "/mlxfleet/v1/store"
 #: How often a running download reports its bytes.
 PROGRESS_INTERVAL = 0.25
 
@@ -53,10 +56,23 @@ class RemoteFile:
         return f"sha256:{self.sha256}" if self.sha256 else f"git:{self.blob}"
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Another node of the fleet that may hold a source: its URL and the headers that
+    prove this node to it (the fleet key)."""
+
+    name: str
+    url: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+
 def pull(source: str, revision: Optional[str] = None,
-         on_event: Callable[[Event], None] = lambda e: None) -> Path:
+         on_event: Callable[[Event], None] = lambda e: None, peers: tuple[Peer, ...] = (),
+         rate: int = 0) -> Path:
     """Bring ``source`` onto this machine (a no-op when it is there) and return its
-    directory; progress goes to ``on_event``. Raises ``PullError``."""
+    directory; progress goes to ``on_event``. ``peers``: nodes asked first (the hub only
+    when none has it); ``rate``: bytes per second at most from a peer (0: no cap).
+    Raises ``PullError``."""
     kind = source_kind(source)
     on_event({"status": "pulling manifest"})
     _quiet_hub()
@@ -73,6 +89,14 @@ def pull(source: str, revision: Optional[str] = None,
         _check_repo_id(source)
     except SourceError as e:
         raise PullError(str(e), 400) from None
+    for peer in peers:
+        listing = _peer_listing(peer, source, revision)
+        if listing is None:
+            continue
+        try:
+            return _from_peer(peer, source, revision, listing, on_event, rate)
+        except PullError as e:  # a node that went away, or bytes that did not check out
+            on_event({"status": f"from node {peer.name} failed ({e}); trying the hub"})
     commit, files = _listing(source, revision)
     blobs = _repo_dir(source) / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
@@ -94,6 +118,89 @@ def pull(source: str, revision: Optional[str] = None,
     return path
 
 
+def _peer_listing(peer: Peer, source: str, revision: Optional[str]
+                  ) -> Optional[tuple[str, list[RemoteFile]]]:
+    """What ``peer`` holds of ``source`` at ``revision``: (commit, files), or None."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{peer.url}{PEER_ROUTE}/listing", headers=dict(peer.headers),
+                      params={"source": source, **({"revision": revision} if revision
+                                                   else {})}, timeout=10)
+        if r.status_code != 200:
+            return None
+        data = r.json()
+        return data["commit"], [RemoteFile(f["name"], int(f["size"]), f["blob"],
+                                           f.get("sha256")) for f in data["files"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _from_peer(peer: Peer, source: str, revision: Optional[str],
+               listing: tuple[str, list[RemoteFile]], on_event: Callable[[Event], None],
+               rate: int) -> Path:
+    """Every file from ``peer`` (ranged, resumable, each checked against its hash: the
+    SHA-256 of weights, the git object id of the rest), then the cache's snapshot links
+    and ref written as ``snapshot_download`` would have."""
+    from urllib.parse import urlencode
+
+    commit, files = listing
+    on_event({"status": f"pulling from node {peer.name}"})
+    repo = _repo_dir(source)
+    blobs = repo / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        query = urlencode({"source": source, "commit": commit, "name": f.name})
+        fetch_blob(f"{peer.url}{PEER_ROUTE}/file?{query}", f, blobs, on_event,
+                   dict(peer.headers), rate=rate)
+    snap = repo / "snapshots" / commit
+    for f in files:
+        link = snap / f.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(os.path.relpath(blobs / f.blob, link.parent))
+    refs = repo / "refs"
+    refs.mkdir(exist_ok=True)
+    (refs / (revision or "main")).write_text(commit)
+    on_event({"status": "writing manifest"})
+    on_event({"status": "success"})
+    return snap
+
+
+def snapshot_listing(source: str, revision: Optional[str] = None) -> Optional[dict]:
+    """What this machine holds of ``source`` (for a peer): its commit and, per file, the
+    size and the cache blob it is (a SHA-256 for weights, a git object id otherwise)."""
+    from .sources import local_dir
+
+    if source_kind(source) != "hf":
+        return None
+    d = local_dir(source, revision)
+    if d is None:
+        return None
+    files = []
+    for p in sorted(d.rglob("*")):
+        if not p.is_symlink() or not p.is_file():
+            continue
+        blob = os.path.basename(os.readlink(p))
+        files.append({"name": str(p.relative_to(d)), "size": p.stat().st_size, "blob": blob,
+                      "sha256": blob if len(blob) == 64 else None})
+    return {"source": source, "commit": d.name, "files": files}
+
+
+def snapshot_file(source: str, commit: str, name: str) -> Optional[Path]:
+    """One file of a snapshot this machine holds (for a peer), never outside it."""
+    from .sources import local_dir
+
+    if source_kind(source) != "hf" or not re.fullmatch(r"[0-9a-f]{40}", commit):
+        return None
+    d = local_dir(source, commit)
+    if d is None or d.name != commit:
+        return None
+    p = (d / name).resolve()
+    blobs = (_repo_dir(source) / "blobs").resolve()
+    return p if p.is_file() and p.parent == blobs and (d / name).is_symlink() else None
+
+
 def _file_event(f: RemoteFile, done: int) -> Event:
     return {"status": f"pulling {f.name}", "digest": f.digest, "total": f.size,
             "completed": min(done, f.size)}
@@ -106,7 +213,7 @@ def hub_url(repo: str, name: str, commit: str) -> str:
 
 
 def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event], None],
-               headers: Optional[dict] = None, attempts: int = 2) -> Path:
+               headers: Optional[dict] = None, attempts: int = 2, rate: int = 0) -> Path:
     """One LFS file into the cache's ``blobs/<sha256>``: ranged GETs that continue a
     ``<sha256>.incomplete`` left by an earlier pull, the whole checked against its
     SHA-256 before it is moved in; a mismatch is deleted and fetched again once.
@@ -129,17 +236,25 @@ def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event],
             start = 0
         on_event(_file_event(f, start))
         if start < f.size:
-            _get_range(url, part, start, f, headers, on_event)
+            _get_range(url, part, start, f, headers, on_event, rate)
         on_event({"status": "verifying sha256 digest", "digest": f.digest})
-        if sha256_file(part) == f.sha256:
+        if _checks_out(part, f):
             os.replace(part, final)
             return final
         part.unlink()  # a flipped byte somewhere: fetched again, whole
     raise PullError(f"{f.name}: the download did not match its SHA-256 twice; removed")
 
 
+def _checks_out(part: Path, f: RemoteFile) -> bool:
+    """Weights against their SHA-256; other files against their git object id."""
+    if f.sha256:
+        return sha256_file(part) == f.sha256
+    data = part.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == f.blob
+
+
 def _get_range(url: str, part: Path, start: int, f: RemoteFile, headers: Optional[dict],
-               on_event: Callable[[Event], None]) -> None:
+               on_event: Callable[[Event], None], rate: int = 0) -> None:
     import httpx
     from huggingface_hub.utils import build_hf_headers
 
@@ -155,10 +270,15 @@ def _get_range(url: str, part: Path, start: int, f: RemoteFile, headers: Optiona
             elif r.status_code not in (200, 206):
                 raise PullError(f"{f.name}: HTTP {r.status_code} from {url}")
             done = start
+            began = time.monotonic()
             with open(part, "ab" if start else "wb") as out:
                 for chunk in r.iter_bytes(1 << 20):
                     out.write(chunk)
                     done += len(chunk)
+                    if rate:  # a peer's bandwidth is its users' too: stay under the cap
+                        ahead = (done - start) / rate - (time.monotonic() - began)
+                        if ahead > 0:
+                            time.sleep(ahead)
                     if time.monotonic() - sent >= PROGRESS_INTERVAL:
                         sent = time.monotonic()
                         on_event(_file_event(f, done))
@@ -323,7 +443,7 @@ class Pull:
     async def _run(self, pulls: Pulls) -> None:
         try:
             self.path = await asyncio.to_thread(pull, self.source, self.revision,
-                                                self._from_thread)
+                                                self._from_thread, pulls.peers(), pulls.rate)
         except PullError as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - any failure is this pull's, reported
@@ -382,10 +502,12 @@ class Pull:
 
 
 class Pulls:
-    """The pulls running on this machine: one per source, however many ask for it."""
+    """The pulls running on this machine: one per source, however many ask for it.
+    ``peers``: the other nodes to ask first (a fleet's), ``rate`` their bandwidth cap."""
 
-    def __init__(self) -> None:
+    def __init__(self, peers: Callable[[], tuple[Peer, ...]] = tuple, rate: int = 0) -> None:
         self.active: dict[tuple[str, Optional[str]], Pull] = {}
+        self.peers, self.rate = peers, rate
 
     def start(self, source: str, revision: Optional[str] = None) -> Pull:
         key = (source, revision)

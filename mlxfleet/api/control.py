@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from quart import Quart, request
 from .. import __version__
 from ..units import parse_duration
 from ..wire import APIError, streaming_response
+
+log = logging.getLogger("mlxfleet.store")
 
 
 def _runtime(supervisor: Any, name: str):
@@ -101,6 +104,53 @@ def register_control(app: Quart, supervisor: Any) -> None:
             users.setdefault(rt.manifest.spec.source, []).append(rt.name)
         return {"items": [s.as_dict(users.get(s.source, [])) for s in items],
                 "pulls": supervisor.pulls.status()}
+
+    @app.get(f"{base}/store/listing")
+    async def store_listing():
+        """For the other nodes of a fleet: what this one holds of a source (peer copy)."""
+        from ..store import snapshot_listing
+
+        got = await asyncio.to_thread(snapshot_listing, request.args.get("source", ""),
+                                      request.args.get("revision"))
+        if got is None:
+            raise APIError(404, "This node does not hold that source.", type="not_found_error",
+                           code="source_not_found")
+        return got
+
+    @app.get(f"{base}/store/file")
+    async def store_file():
+        """For the other nodes of a fleet: one file of a snapshot, from a byte offset
+        (``Range: bytes=N-``), so a copy that broke off continues."""
+        import re
+
+        from quart import Response
+
+        from ..store import snapshot_file
+
+        path = await asyncio.to_thread(snapshot_file, request.args.get("source", ""),
+                                       request.args.get("commit", ""),
+                                       request.args.get("name", ""))
+        if path is None:
+            raise APIError(404, "This node does not hold that file.", type="not_found_error",
+                           code="source_not_found")
+        size = path.stat().st_size
+        m = re.fullmatch(r"bytes=(\d+)-", request.headers.get("Range", ""))
+        start = min(int(m.group(1)), size) if m else 0
+        log.info("serving %s %s from byte %d of %d to node %s", request.args["source"],
+                 request.args["name"], start, size,
+                 request.headers.get("X-Mlxfleet-Forwarded-By", "?"))
+
+        async def body():
+            with open(path, "rb") as f:
+                f.seek(start)
+                while chunk := await asyncio.to_thread(f.read, 1 << 20):
+                    yield chunk
+
+        headers = {"Content-Length": str(size - start), "Accept-Ranges": "bytes"}
+        if start:
+            headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+        return Response(body(), status=206 if start else 200, headers=headers,
+                        content_type="application/octet-stream")
 
     @app.delete(f"{base}/sources")
     async def remove_source_route():

@@ -146,7 +146,7 @@ class Guard:
         sender = self._from_node(headers, remote_addr) if self.fleet else None
         if sender is not None and self.fleet_key:
             return sender  # another node, proven by the key: it admitted the client already
-        if path == NODE_ROUTE and self.fleet_key:
+        if (path == NODE_ROUTE or path.startswith(PEER_ROUTE)) and self.fleet_key:
             raise APIError(401, "This route is for the other nodes of the fleet: send the "
                            "fleet key in X-Mlxfleet-Fleet-Key.", type="authentication_error",
                            code="invalid_fleet_key")
@@ -274,6 +274,7 @@ def install_guard(app: Quart, guard: Guard) -> None:
 
 
 NODE_ROUTE = "/mlxfleet/v1/node"
+PEER_ROUTE = "/mlxfleet/v1/store/"  # peer copy: what a node holds, served to the others
 
 
 def request_id(given: Optional[str]) -> str:

@@ -100,7 +100,8 @@ class Supervisor(FleetMembership):
         self._last_good_nodes: dict[str, list[NodeManifest]] = {}
         self._estimates: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, tuple[str, ...]]] = {}  # sharded models run here
-        self.pulls = Pulls()  # downloads running on this machine
+        # downloads running on this machine; in a fleet, nodes that hold a source first
+        self.pulls = Pulls(self._peers, settings.peer_copy_rate_mb << 20)
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -325,6 +326,16 @@ class Supervisor(FleetMembership):
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    def _peers(self) -> tuple:
+        """The other nodes that answer, to copy weights from before the hub."""
+        from ..store import Peer
+
+        f = self.fleet
+        if f is None:
+            return ()
+        return tuple(Peer(n, f.url(n), tuple(f.headers().items())) for n in sorted(f.peers)
+                     if f.healthy(n) and f.url(n))
 
     async def _fetch(self, rt: ModelRuntime) -> None:
         """A model whose weights are not on this machine is pulled as soon as its manifest
