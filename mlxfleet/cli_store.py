@@ -37,7 +37,7 @@ class Progress:
         self.out, self.tty = out, out.isatty()
         self.files: dict[str, tuple[int, int]] = {}
         self.started = time.monotonic()
-        self.status = ""
+        self._bar = False  # a bar is drawn on the current line
 
     def __call__(self, e: dict) -> None:
         if "error" in e:
@@ -47,11 +47,13 @@ class Progress:
             self.files[e["status"]] = (e["completed"], e["total"])
             if self.tty:
                 self._draw()
+                self._bar = True
             elif e["completed"] == e["total"] != done_before[0]:
                 self._line(f"{e['status']}: {fmt_bytes(e['total'])}")
             return
-        if self.tty and self.files:
+        if self._bar:
             self.out.write("\n")
+            self._bar = False
         self._line(e["status"])
 
     def _draw(self) -> None:
