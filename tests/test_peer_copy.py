@@ -38,10 +38,12 @@ def nodes(tmp_path_factory, hub):
     ns["a"].write("nodes.yaml", "---\n".join(
         yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": n},
                         "spec": {"url": f.url, "memory": "4GB"}}) for n, f in ns.items()))
-    Fleet.start_all(ns)
-    yield ns
-    for f in ns.values():
-        f.stop()
+    try:  # stopped even when one never came up: no server outlives the module
+        Fleet.start_all(ns)
+        yield ns
+    finally:
+        for f in ns.values():
+            f.stop()
 
 
 def weight_gets(hub) -> int:

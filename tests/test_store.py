@@ -37,10 +37,12 @@ def fleet(tmp_path_factory, hub):
     f = Fleet(root, env={"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(root / "hf"),
                          "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     f.write("local.yaml", manifest("local"))
-    f.start()
-    f.wait_ready("local")
-    yield f
-    f.stop()
+    try:  # stopped even when it never got ready: no server outlives the module
+        f.start()
+        f.wait_ready("local")
+        yield f
+    finally:
+        f.stop()
 
 
 def test_ollama_pull_streams_progress_then_the_model_serves(fleet, hub):
