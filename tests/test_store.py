@@ -63,6 +63,9 @@ def test_ollama_pull_streams_progress_then_the_model_serves(fleet, hub):
     r = fleet.openai().chat.completions.create(model="pulled", max_tokens=4,
                                                messages=[{"role": "user", "content": "hi"}])
     assert r.choices[0].message.content
+    # a model's name pulls its source (`ollama pull pulled`), here already on disk
+    assert client.pull("pulled", stream=False).status == "success"
+    assert sum(1 for m, p, _ in hub.log if m == "GET" and "/resolve/" in p) == gets
     # and the store lists it, with the model that uses it
     out = fleet.cli("get", "sources").stdout
     row = next(ln for ln in out.splitlines() if ln.startswith("acme/tiny"))
