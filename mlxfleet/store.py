@@ -109,13 +109,19 @@ def pull(source: str, revision: Optional[str] = None,
         if not f.sha256:
             on_event(_file_event(f, f.size))
     on_event({"status": "writing manifest"})
-    ref = revision or "main"
-    if ref != commit:  # the branch or tag -> this commit, so loading needs no hub call
-        refs = _repo_dir(source) / "refs"
-        refs.mkdir(exist_ok=True)
-        (refs / ref).write_text(commit)
+    _write_ref(source, revision, commit)
     on_event({"status": "success"})
     return path
+
+
+def _write_ref(source: str, revision: Optional[str], commit: str) -> None:
+    """The branch or tag -> this commit, as the hub library records it, so loading
+    ``source`` at that revision needs no call to the hub."""
+    ref = revision or "main"
+    if ref != commit:
+        refs = _repo_dir(source) / "refs"
+        refs.mkdir(parents=True, exist_ok=True)
+        (refs / ref).write_text(commit)
 
 
 def _peer_listing(peer: Peer, source: str, revision: Optional[str]
@@ -159,10 +165,8 @@ def _from_peer(peer: Peer, source: str, revision: Optional[str],
         link.parent.mkdir(parents=True, exist_ok=True)
         if not link.exists():
             link.symlink_to(os.path.relpath(blobs / f.blob, link.parent))
-    refs = repo / "refs"
-    refs.mkdir(exist_ok=True)
-    (refs / (revision or "main")).write_text(commit)
     on_event({"status": "writing manifest"})
+    _write_ref(source, revision, commit)
     on_event({"status": "success"})
     return snap
 
