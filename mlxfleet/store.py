@@ -418,11 +418,12 @@ def remove(source: str, created: Optional[Path] = None) -> Optional[int]:
     return None
 
 
-def is_stored(source: str, revision: Optional[str] = None) -> bool:
-    """Whether loading ``source`` needs no download."""
+def needs_pull(source: str, revision: Optional[str] = None) -> bool:
+    """Whether loading ``source`` needs a download first: a Hugging Face repo id whose
+    files are not on disk (builtin models are written, directories read, in place)."""
     from .sources import local_dir
 
-    return local_dir(source, revision) is not None
+    return source_kind(source) == "hf" and local_dir(source, revision) is None
 
 
 # ---- pulls in progress ------------------------------------------------------------------

@@ -34,8 +34,7 @@ def hub():
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("store")
-    f = Fleet(root, env={"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(root / "hf"),
-                         "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
+    f = Fleet(root, env=hub.env(root / "hf"))
     f.write("local.yaml", manifest("local"))
     try:  # stopped even when it never got ready: no server outlives the module
         f.start()
@@ -205,3 +204,18 @@ def test_the_dashboard_shows_a_download_in_progress(fleet, hub, browser, tmp_pat
     pull.join(60)
     pg.wait_for_selector("#downloads", state="hidden", timeout=20000)
     assert not errors, errors
+
+
+def test_a_source_that_cannot_be_pulled_leaves_the_serving_worker_serving(fleet):
+    fleet.write("moving.yaml", manifest("moving", preload=False))
+    assert fleet.chat("moving").choices  # loaded on demand
+    pid = fleet.status("moving")["pid"]
+    fleet.write("moving.yaml", manifest("moving", source="acme/nope", preload=False))
+    assert wait_for(lambda: "LoadFailed" in [e["reason"] for e in
+                                             fleet.status("moving")["events"]], 30)
+    st = fleet.status("moving")
+    assert st["phase"] == "Ready" and st["pid"] == pid, st
+    cond = {c["type"]: c for c in st["conditions"]}
+    assert cond["Progressing"]["reason"] == "NewWorkerFailed", cond
+    assert fleet.chat("moving").choices
+    (fleet.dir / "moving.yaml").unlink()

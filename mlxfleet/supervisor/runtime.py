@@ -534,14 +534,12 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         """Weights not on disk are pulled through the store (``Supervisor._fetch`` may
         have started it), never by the worker; False when the pull failed (a failed
         start) or a change came first."""
-        from ..sources import source_kind
-        from ..store import PullError, is_stored
+        from ..store import PullError, needs_pull
 
         spec = self.manifest.spec
         pull = self.pull()
         if pull is None:
-            if source_kind(spec.source) != "hf" or await asyncio.to_thread(
-                    is_stored, spec.source, spec.revision):
+            if not await asyncio.to_thread(needs_pull, spec.source, spec.revision):
                 return True
             pull = self.sup.pulls.start(spec.source, spec.revision)
         self.set_condition("Ready", False, "Pulling", f"pulling {pull.source}")
@@ -555,14 +553,7 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         try:
             done.result()
         except PullError as e:
-            self.failures += 1
-            self.failed_at = time.monotonic()
-            self.last_error = str(e)
-            self.event("Warning", "LoadFailed", self.last_error)
-            self._failed.set()
-            if not self.manifest.spec.preload:
-                self.want_loaded = False
-                self.sup.notify_idle()
+            await self._failed_start(None, str(e))
             return False
         self.weight_bytes = None  # measured now that they are here
         return True
@@ -573,13 +564,16 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
                                                     self.manifest.spec.revision)
 
-    async def _failed_start(self, w: WorkerHandle, why: str) -> None:
+    async def _failed_start(self, w: Optional[WorkerHandle], why: str) -> None:
+        """A start that failed: its worker (None: it failed before one was spawned, as a
+        pull of the weights can) is stopped, and waiters hear why."""
         self.failures += 1
         self.failed_at = time.monotonic()
         self.last_error = why
         self.event("Warning", "LoadFailed", why)
-        w.kill()
-        await w.stop(0, self.settings.stop_timeout)
+        if w is not None:
+            w.kill()
+            await w.stop(0, self.settings.stop_timeout)
         self._failed.set()  # waiters get the error now, not after the retries
         if self.current is not None:
             self.set_condition("Progressing", False, "NewWorkerFailed",

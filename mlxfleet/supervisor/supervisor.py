@@ -340,12 +340,10 @@ class Supervisor(FleetMembership):
     async def _fetch(self, rt: ModelRuntime) -> None:
         """A model whose weights are not on this machine is pulled as soon as its manifest
         is there, loaded or not; its workers wait for the pull rather than download."""
-        from ..sources import source_kind
-        from ..store import PullError, is_stored
+        from ..store import PullError, needs_pull
 
         spec = rt.manifest.spec
-        if source_kind(spec.source) != "hf" or await asyncio.to_thread(
-                is_stored, spec.source, spec.revision):
+        if not await asyncio.to_thread(needs_pull, spec.source, spec.revision):
             return
         pull = self.pulls.start(spec.source, spec.revision)
         rt.event("Normal", "Pulling", f"pulling {spec.source} onto this machine")
