@@ -30,14 +30,13 @@ def main() -> None:
     from mlxfleet.builtin import ensure_builtin
 
     hub = Hub({"acme/model": Repo.from_dir(ensure_builtin(args.model))})
-    os.environ.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1",
-                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     size = sum(len(b) for b in hub.repos["acme/model"].files.values())
     times: dict[str, list[float]] = {"snapshot_download": [], "mlxfleet pull": []}
     for _ in range(args.rounds):
         for name in times:
             with tempfile.TemporaryDirectory() as cache:
-                os.environ["HF_HUB_CACHE"] = cache
+                os.environ.update(hub.env(Path(cache)))
                 import huggingface_hub.constants as c
 
                 c.HF_HUB_CACHE = cache  # read at import: set it for this round

@@ -71,6 +71,11 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def env(self, cache: Path) -> dict[str, str]:
+        """What a server needs to pull from this hub into ``cache`` (its own HF cache)."""
+        return {"HF_ENDPOINT": self.url, "HF_HUB_CACHE": str(cache),
+                "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -80,22 +85,19 @@ class Hub:
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = h.path.split("?", 1)[0]
         self.log.append((h.command, path, h.headers.get("Range")))
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
-        if m:
-            repo = self.repos.get(m.group(1))
+        info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
+        tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/.*)?", path)
+        if info or tree:
+            name = (info or tree).group(1)
+            repo = self.repos.get(name)
             if repo is None:
                 return _json(h, 404, {"error": "Repository not found"},
                              {"X-Error-Code": "RepoNotFound"})
-            return _json(h, 200, {"id": m.group(1), "modelId": m.group(1), "sha": repo.commit,
+            if tree:
+                return _json(h, 200, [repo.entry(n) for n in repo.files])
+            return _json(h, 200, {"id": name, "modelId": name, "sha": repo.commit,
                                   "private": False, "siblings": [
                                       {"rfilename": n} for n in repo.files]})
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/.*)?", path)
-        if m:
-            repo = self.repos.get(m.group(1))
-            if repo is None:
-                return _json(h, 404, {"error": "Repository not found"},
-                             {"X-Error-Code": "RepoNotFound"})
-            return _json(h, 200, [repo.entry(n) for n in repo.files])
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         repo = self.repos.get(m.group(1)) if m else None
         if repo is None or m.group(3) not in repo.files:

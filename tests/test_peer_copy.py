@@ -30,10 +30,9 @@ def hub():
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("peers")
-    ns = Fleet.nodes(root, "abc", {"MLXFLEET_FLEET_KEY": KEY, "HF_ENDPOINT": hub.url,
-                                   "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
+    ns = Fleet.nodes(root, "abc", {"MLXFLEET_FLEET_KEY": KEY})
     for n, f in ns.items():
-        f.env["HF_HUB_CACHE"] = str(root / f"hf-{n}")
+        f.env.update(hub.env(root / f"hf-{n}"))  # each node its own cache
     ns["c"].env["MLXFLEET_PEER_COPY_RATE_MB"] = "4"  # c copies slowly: caught midway below
     ns["a"].write("nodes.yaml", "---\n".join(
         yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": n},
