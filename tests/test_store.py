@@ -208,6 +208,7 @@ def test_the_dashboard_shows_a_download_in_progress(fleet, hub, browser, tmp_pat
 
 def test_a_source_that_cannot_be_pulled_leaves_the_serving_worker_serving(fleet):
     fleet.write("moving.yaml", manifest("moving", preload=False))
+    assert wait_for(lambda: fleet.status("moving"), 10)  # the folder was read
     assert fleet.chat("moving").choices  # loaded on demand
     pid = fleet.status("moving")["pid"]
     fleet.write("moving.yaml", manifest("moving", source="acme/nope", preload=False))
