@@ -113,6 +113,19 @@ class BatchingSpec(_Spec):
         f"{_d('prefill_step_size')})")
 
 
+class SpeculativeSpec(_Spec):
+    """Speculative decoding: several tokens per forward pass where the output repeats
+    text already seen (prompt lookup), inside continuous batching."""
+
+    mode: Optional[Literal["auto", "off"]] = Field(
+        default=None, description="auto: draft when it pays (the acceptance rate against "
+        "the measured cost of a wider step); off: one token per step (default "
+        f"{_d('speculative')})")
+    draft_tokens: Optional[int] = Field(
+        default=None, ge=1, le=32, description="the most draft tokens a sequence sends in "
+        f"one step (default {_d('draft_tokens')})")
+
+
 class LimitsSpec(_Spec):
     max_request_tokens: Optional[int] = Field(
         default=None, ge=1, description="the largest max_tokens a request may ask for (a "
@@ -223,6 +236,7 @@ class ModelSpec(_Spec):
                           "memory pressure")
     cache: CacheSpec = Field(default_factory=CacheSpec)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     defaults: DefaultsSpec = Field(default_factory=DefaultsSpec)
     parsers: ParsersSpec = Field(default_factory=ParsersSpec)

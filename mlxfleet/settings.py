@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -138,6 +138,9 @@ class ServerSettings(BaseSettings):
                                           "JSON as an --mcp-config file), in the settings file")
     mcp_call_timeout: float = Field(60.0, gt=0, description="seconds an MCP tool call may take")
     mcp_max_result_kb: int = Field(1024, gt=0, description="larger MCP tool results are cut")
+    speculative: Optional[Literal["auto", "off"]] = Field(
+        None, description="speculative decoding for models whose manifest does not say "
+        "(spec.speculative.mode; default auto)")
     use_paged_cache: Optional[bool] = Field(None, description="the block prefix cache for "
                                             "models whose manifest does not say "
                                             "(spec.cache.paged)")

@@ -72,6 +72,15 @@ class WorkerConfig(BaseModel):
                               "(the block prefix cache) rather than whole",
         json_schema_extra=_from("cache.paged", "use_paged_cache", "--use-paged-cache"))
 
+    speculative: Literal["auto", "off"] = Field("auto", description="speculative "
+                                                "decoding: auto drafts by prompt lookup "
+                                                "(and the client's prediction) when it pays; "
+                                                "off decodes one token per step",
+        json_schema_extra=_from("speculative.mode", "speculative"))
+    draft_tokens: int = Field(8, ge=1, le=32, description="the most draft tokens a sequence "
+                              "sends in one step",
+        json_schema_extra=_from("speculative.draft_tokens"))
+
     max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
                             "no max_tokens (clipped to the context)",
         json_schema_extra=_from("defaults.max_tokens", "max_tokens"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import functools
 import logging
 import os
 import queue
@@ -57,6 +58,7 @@ from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache, compact
 from .prompts import template_style
 from .sampling import Samplers, SamplingParams, logits_processors
+from .speculative import Speculator, unsupported
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -320,6 +322,15 @@ class Engine:
                             "window cannot be cut back to any prefix" if self._snapshots
                             else "any prefix",
         }
+        self._speculator = None
+        if cfg.speculative == "off":
+            self.paths["speculation"] = "off (spec.speculative.mode)"
+        elif why := unsupported(self._model, cfg.sharded, self.vision is not None):
+            self.paths["speculation"] = f"off: {why}"
+        else:
+            self._speculator = Speculator(cfg.draft_tokens)
+            self.paths["speculation"] = (f"prompt lookup, up to {cfg.draft_tokens} draft "
+                                         "tokens per step when it pays")
 
     def _prefill_batch(self) -> int:
         cfg = self.config
@@ -337,6 +348,9 @@ class Engine:
             prefill_step_size=cfg.prefill_step_size,
             stream=self._stream,
         )
+        if self._speculator is not None:  # it takes the place of mlx-lm's decode step
+            gb = self._bg._generation_batch
+            gb.next = functools.partial(self._speculator.next, gb)
 
     def _init_batching(self) -> None:
         from mlx_lm.generate import StopSequences
@@ -701,6 +715,8 @@ class Engine:
             if seq is None:
                 continue
             gen, dec = seq.gen, seq.decoder
+            if dec.finish_reason is not None:
+                continue  # a stop string ended it earlier in this step (speculation)
             text = dec.feed(r.token, seq.finish_reason(r.finish_reason))
             ev = TokenEvent(seq.index, r.token, text, dec.finish_reason, dec.stop_sequence)
             k = gen.params.logprobs
@@ -768,8 +784,10 @@ class Engine:
         if not force and now - self._published < SNAPSHOT_INTERVAL:
             return
         self._published = now
+        spec = self._speculator
         self.snapshot = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
                          "paths": self.paths,
+                         "speculation": spec.stats.as_dict() if spec else None,
                          "grammar": grammar_stats(),
                          "mlx_memory": {**mlx_memory(), "limit_bytes": self.memory_limit},
                          "prompt_cache": self.prompt_cache.status()}

@@ -1,0 +1,391 @@
+"""Speculative decoding inside continuous batching (engine thread only).
+
+mlx-lm's ``BatchGenerator`` decodes one token per sequence per forward pass, and
+mlx_lm.server turns batching off when it speculates. Here every running sequence may
+carry a draft (prompt lookup: the tokens that followed the last earlier occurrence of
+its last few tokens, in its prompt or its output so far, or in the prediction the client
+sent); the whole batch's drafts are verified in one forward pass of ``[rows, 1 + k]``
+tokens, each row keeps the tokens the model agrees with plus the model's own next token,
+and each row's cache is cut back to what it kept.
+
+mlx-lm's ``BatchKVCache`` has one write index for the batch (rows are left-padded), so
+rows cannot be cut back by different amounts. The batch is cut back by the least any row
+rejected; the rest of each row's rejected positions become more of its left padding
+(``prepare(right_padding=...)``/``finalize()``, the roll mlx-lm itself uses after a
+right-padded prefill). Only caches that are plain key/value buffers can be cut back like
+this: models with a sliding window or recurrent state don't speculate (``unsupported``).
+
+Whether a step speculates, and how wide, is chosen per step from what it is expected to
+pay: each sequence's acceptance rate (also measured on drafts it did not send, so that
+drafting resumes when it would pay again) against the measured cost of a forward pass
+as a function of the tokens it reads (``StepCost``). Greedy rows are exact: a row emits
+only tokens the model's argmax gives. Rows that sample, or run logits processors
+(penalties, grammars), don't draft; they are decoded in the same pass, one token each.
+
+``Speculator.next`` takes the place of mlx-lm's ``GenerationBatch.next`` and touches the
+batch's internals (``_next_tokens``, ``_num_tokens``, ``_matchers``...):
+tests/test_mlx_lm_api.py fails when mlx-lm moves them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+#: The n-gram lengths prompt lookup matches, longest first.
+NGRAM_MAX, NGRAM_MIN = 4, 2
+#: A sequence's acceptance estimate before it has any evidence, and how fast it moves.
+PRIOR_ACCEPT, ACCEPT_RATE = 0.5, 0.2
+#: Speculate only when the expected tokens per second beat a plain step by this much.
+MARGIN = 1.05
+
+
+def unsupported(model: Any, sharded: bool, vision: bool) -> Optional[str]:
+    """Why this model cannot speculate, or None."""
+    from .model_facts import cache_kinds
+
+    if sharded:
+        return "a sharded model decodes one token per step on every rank"
+    if vision:
+        return "vision models decode one token per step"
+    kinds = cache_kinds(model)
+    if kinds != ["KVCache"]:
+        return (f"its caches ({', '.join(kinds)}) cannot be cut back to a row's accepted "
+                "length")
+    return None
+
+
+def _greedy(gb: Any, i: int) -> bool:
+    """Row ``i`` of the batch takes the argmax, with no logits processors."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    s = gb.samplers[i] if gb.samplers else None
+    return not (gb.logits_processors and gb.logits_processors[i]) and (
+        s is greedy_sampler or (s is None and gb.fallback_sampler is greedy_sampler))
+
+
+class Lookup:
+    """Prompt lookup over one token sequence: for each n-gram, where it last ended."""
+
+    def __init__(self, tokens: list[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._ends: dict[int, dict[tuple, int]] = {n: {} for n in
+                                                   range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        toks = self.tokens
+        for t in tokens:
+            toks.append(int(t))
+            p = len(toks) - 1  # the n-grams ending just before p are followed by p
+            for n, ends in self._ends.items():
+                if p >= n:
+                    ends[tuple(toks[p - n:p])] = p
+
+    def follow(self, tail: list[int], k: int, pending: Optional[int] = None,
+               own: bool = True) -> list[int]:
+        """Up to ``k`` tokens that followed the last earlier occurrence of the longest
+        matching end of ``tail``. ``own``: ``tail`` ends this same sequence (followed by
+        ``pending`` when given), so a continuation that runs into the end goes on with
+        the tokens it just predicted: text that repeats keeps its period."""
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            at = self._ends[n].get(tuple(tail[-n:])) if len(tail) >= n else None
+            if at is None:
+                continue
+            if not own:
+                return self.tokens[at:at + k]
+            toks, size = self.tokens, len(self.tokens)
+            end = size + (pending is not None)
+            out: list[int] = []
+            while len(out) < k:
+                i = at + len(out)
+                out.append(toks[i] if i < size else pending if i < end else out[i - end])
+            return out
+        return []
+
+
+@dataclass
+class Row:
+    """One sequence's drafting state."""
+
+    own: Lookup  # its prompt and output so far
+    predicted: Optional[Lookup] = None  # the client's prediction of the output
+    accept: float = PRIOR_ACCEPT  # estimated chance that a draft token is accepted
+    # A draft it did not send, judged on the tokens that come instead: the pending token
+    # it followed, then the draft.
+    shadow: list[int] = field(default_factory=list)
+    shadow_hits: int = 0
+
+    def draft(self, k: int, pending: Optional[int] = None) -> list[int]:
+        """Up to ``k`` tokens to follow the sequence (and ``pending``, its next token
+        when known)."""
+        toks = self.own.tokens
+        tail = toks[-NGRAM_MAX:] if pending is None else toks[1 - NGRAM_MAX:] + [pending]
+        if self.predicted is not None:
+            d = self.predicted.follow(tail, k, own=False)
+            if d:
+                return d
+        return self.own.follow(tail, k, pending)
+
+    def learn(self, accepted: int, drafted: int) -> None:
+        """Update the acceptance estimate from one verified draft: each position up to
+        the first rejection is a trial."""
+        for i in range(min(drafted, accepted + 1)):
+            self.accept += ACCEPT_RATE * ((1.0 if i < accepted else 0.0) - self.accept)
+
+    def expected(self, k: int) -> float:
+        """Tokens a k-token draft is expected to add."""
+        p = self.accept
+        return sum(p ** j for j in range(1, k + 1))
+
+    def emitted(self, tokens: list[int]) -> None:
+        """Tokens the sequence produced in a plain step: judge the draft it did not send
+        (so that drafting resumes when it would have paid)."""
+        for t in tokens:
+            if not self.shadow:
+                return
+            if t != self.shadow[self.shadow_hits]:
+                self.learn(self.shadow_hits - 1, len(self.shadow) - 1)
+                self.shadow, self.shadow_hits = [], 0
+                return
+            self.shadow_hits += 1
+            if self.shadow_hits == len(self.shadow):
+                self.learn(self.shadow_hits - 1, self.shadow_hits - 1)
+                self.shadow, self.shadow_hits = [], 0
+
+
+class StepCost:
+    """Seconds per forward pass as ``a + b * tokens read``, fitted by least squares over
+    recent steps (older ones weigh less)."""
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        # Before any measurement: reading 8 more tokens costs a tenth of a step.
+        self._s = [1.0, 1.0, 1.0, 1.0, 1.0]  # weights, sum n, sum n^2, sum t, sum n t
+        self._prior = (1.0, 0.0125)
+        self.samples = 0
+
+    def add(self, n: int, seconds: float) -> None:
+        d = self.decay
+        w, sn, snn, st, snt = (x * d for x in self._s)
+        self._s = [w + 1, sn + n, snn + n * n, st + seconds, snt + n * seconds]
+        self.samples += 1
+
+    def __call__(self, n: int) -> float:
+        w, sn, snn, st, snt = self._s
+        if self.samples < 4:
+            a, b = self._prior
+            return a + b * n
+        var = snn / w - (sn / w) ** 2
+        if var <= 1e-9:  # one width seen so far: scale the prior's shape to its time
+            a, b = self._prior
+            scale = (st / w) / (a + b * sn / w)
+            return scale * (a + b * n)
+        b = max(0.0, (snt / w - sn / w * st / w) / var)
+        a = max(1e-6, st / w - b * sn / w)
+        return a + b * n
+
+
+@dataclass
+class Stats:
+    steps: int = 0  # speculative steps
+    drafted: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "draft_tokens": self.drafted,
+                "accepted_tokens": self.accepted,
+                "acceptance": round(self.accepted / self.drafted, 3) if self.drafted
+                else None}
+
+
+class Speculator:
+    """Drafts and verifies for one ``GenerationBatch`` (see the module docstring)."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+        self.rows: dict[int, Row] = {}
+        self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
+        self.cost = StepCost()
+        self.stats = Stats()
+
+    def predict(self, uid: int, tokens: list[int]) -> None:
+        """The client's prediction of ``uid``'s output (OpenAI's ``prediction``)."""
+        if tokens:
+            self.predictions[uid] = tokens
+
+    def next(self, gb: Any) -> list:
+        """One decode step of ``gb`` (mlx-lm's ``GenerationBatch``): speculative when it
+        pays, else mlx-lm's own."""
+        from mlx_lm.generate import GenerationBatch
+
+        if not gb.uids:
+            return []
+        rows = self._rows(gb)
+        drafts = self._plan(gb, rows)
+        t0 = time.perf_counter()
+        if drafts is None:
+            out = GenerationBatch.next(gb)
+            self.cost.add(len(rows), time.perf_counter() - t0)
+            produced: dict[int, list[int]] = {}
+            for r in out:
+                produced.setdefault(r.uid, []).append(r.token)
+            for uid, toks in produced.items():
+                row = self.rows.get(uid)
+                if row is not None:
+                    row.own.extend(toks)
+                    row.emitted(toks)
+            return out
+        width = 1 + max(len(d) for d in drafts)
+        out = self._verify(gb, rows, drafts, width)
+        self.cost.add(len(rows) * width, time.perf_counter() - t0)
+        return out
+
+    def _rows(self, gb: Any) -> list[Row]:
+        """Each batch row's drafting state (made when a sequence first shows up)."""
+        live = set(gb.uids)
+        for uid in [u for u in self.rows if u not in live]:
+            del self.rows[uid]
+            self.predictions.pop(uid, None)
+        out = []
+        for i, uid in enumerate(gb.uids):
+            row = self.rows.get(uid)
+            if row is None:
+                pred = self.predictions.get(uid)
+                row = self.rows[uid] = Row(Lookup(gb.tokens[i]),
+                                           Lookup(pred) if pred else None)
+            out.append(row)
+        return out
+
+    def _plan(self, gb: Any, rows: list[Row]) -> Optional[list[list[int]]]:
+        """Each row's draft for this step (some empty), or None for a plain step."""
+        eligible = [_greedy(gb, i) for i in range(len(rows))]
+        # Drafts found without the pending token (not read yet: reading it waits for the
+        # step in flight); they cover that token too, so they are one longer.
+        k = self.max_draft
+        if not any(ok and row.draft(k + 1) for ok, row in zip(eligible, rows)):
+            return None
+        pending = gb._next_tokens.tolist()
+        drafts = [row.draft(k, y) if ok else [] for ok, row, y in zip(eligible, rows, pending)]
+        width = self._width(rows, drafts)
+        if width == 0:
+            for row, d, y in zip(rows, drafts, pending):
+                if d and not row.shadow:
+                    row.shadow, row.shadow_hits = [y] + d, 0
+            return None
+        return [d[:width] for d in drafts]
+
+    def _width(self, rows: list[Row], drafts: list[list[int]]) -> int:
+        """The draft length that maximizes expected tokens per second (0: don't draft)."""
+        b = len(rows)
+        best, best_rate = 0, b / self.cost(b) * MARGIN
+        for k in range(1, max(len(d) for d in drafts) + 1):
+            gain = sum(row.expected(min(k, len(d))) for row, d in zip(rows, drafts))
+            rate = (b + gain) / self.cost(b * (1 + k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _verify(self, gb: Any, rows: list[Row], drafts: list[list[int]],
+                width: int) -> list:
+        """Feed every row's pending token and draft in one pass; keep what the model
+        agrees with; cut each row's cache back to what it kept."""
+        import mlx.core as mx
+        from mlx_lm.generate import GenerationBatch
+
+        b = len(rows)
+        pending = gb._next_tokens.tolist()
+        pending_lp = gb._next_logprobs
+        x = mx.array([[y] + d + [y] * (width - 1 - len(d)) for y, d in zip(pending, drafts)],
+                     dtype=mx.uint32)
+        logits = gb.model(x, cache=gb.prompt_cache)
+        greedy = mx.argmax(logits, axis=-1)
+        # Rows that sample or process logits take one token, as mlx-lm's step would.
+        special = [i for i in range(b) if not _greedy(gb, i)]
+        sampled = {}
+        for i in special:
+            lg = logits[i:i + 1, 0]
+            procs = gb.logits_processors[i] if gb.logits_processors else None
+            if procs:
+                ctx = gb._token_context[i].update_and_fetch(x[i:i + 1, 0])
+                for proc in procs:
+                    lg = proc(ctx, lg)
+            lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            sampler = gb.samplers[i] if gb.samplers and gb.samplers[i] is not None else \
+                gb.fallback_sampler
+            sampled[i] = (sampler(lp), lp[0])
+        mx.eval(greedy, [t for t, _ in sampled.values()])
+        targets = greedy.tolist()
+
+        def logprobs(i: int, j: int):  # (lazy: computed only when a client asked)
+            lg = logits[i, j]
+            return lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+
+        responses, keep, kept_len = [], [], []
+        nxt, nxt_lp = [0] * b, [pending_lp[0]] * b  # (finished rows: placeholders)
+        for i, (row, d) in enumerate(zip(rows, drafts)):
+            if i in sampled:
+                accepted, follow, follow_lp = 0, int(sampled[i][0].item()), sampled[i][1]
+            else:
+                accepted = 0
+                while accepted < len(d) and d[accepted] == targets[i][accepted]:
+                    accepted += 1
+                follow, follow_lp = targets[i][accepted], logprobs(i, accepted)
+                if d:
+                    row.learn(accepted, len(d))
+                    self.stats.drafted += len(d)
+                    self.stats.accepted += accepted
+            emitted = [pending[i]] + d[:accepted]
+            lps = [pending_lp[i]] + [logprobs(i, j) for j in range(accepted)]
+            reason, n = None, 0
+            for t in emitted:
+                n += 1
+                gb._num_tokens[i] += 1
+                if gb._num_tokens[i] >= gb.max_tokens[i]:
+                    reason = "length"
+                if gb._matchers[i].advance(t):
+                    reason = "stop"
+                if reason is not None:
+                    break
+            emitted, lps = emitted[:n], lps[:n]
+            gb.tokens[i].extend(emitted)
+            row.own.extend(emitted)
+            kept_len.append(n)
+            responses.append([GenerationBatch.Response(gb.uids[i], t, lp, None, None, None)
+                              for t, lp in zip(emitted, lps)])
+            if reason is None:
+                keep.append(i)
+                nxt[i], nxt_lp[i] = follow, follow_lp
+            else:
+                responses[-1][-1].finish_reason = reason
+        self._cut_back(gb, [width - n for n in kept_len])
+        for i, rs in enumerate(responses):
+            if rs[-1].finish_reason is not None:
+                rs[-1].prompt_cache = gb.extract_cache(i)
+                rs[-1].all_tokens = gb.tokens[i]
+        self.stats.steps += 1
+        gb._current_tokens = mx.array(pending, dtype=mx.uint32)
+        gb._next_tokens = mx.array(nxt, dtype=mx.uint32)
+        gb._next_logprobs = nxt_lp
+        if len(keep) < b:
+            gb.filter(keep)
+        if keep:
+            mx.async_eval(gb._next_tokens, gb._next_logprobs)
+        return [r for rs in responses for r in rs]
+
+    @staticmethod
+    def _cut_back(gb: Any, discard: list[int]) -> None:
+        """Drop each row's last ``discard[i]`` positions: the batch's write index goes
+        back by the least of them, the rest become left padding."""
+        import mlx.core as mx
+
+        least = min(discard)
+        extra = [n - least for n in discard]
+        for c in gb.prompt_cache:
+            if least:
+                c.trim(least)
+            if any(extra):
+                c.prepare(right_padding=extra)
+                c.finalize()
+        mx.eval([c.state for c in gb.prompt_cache])
