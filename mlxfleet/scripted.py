@@ -42,6 +42,8 @@ MODEL_TYPE = "mlxfleet_scripted"
 ANSWER_MARKER = "<|im_start|>assistant\n"
 #: The probability all but one token gets: exp(-BIG) is nothing at any temperature <= 2.
 BIG = 200.0
+#: Inputs up to this many tokens get logits at every position (see ``Model.__call__``).
+SCORED_POSITIONS = 64
 
 DEFAULT_SCRIPT = {
     "rules": [{"when": r"<tool_response>\s*(?P<result>.*?)\s*</tool_response>\s*<\|im_end\|>"
@@ -60,6 +62,9 @@ class ModelArgs(BaseModelArgs):
     vocab_size: int
     eos_token_id: Any = None
     script: dict = field(default_factory=lambda: DEFAULT_SCRIPT)
+    # Benchmarks: [width, layers] of matrices multiplied at every token, so that a
+    # scripted answer takes as long as a real model's (see benchmarks/speculative.py).
+    ballast: Optional[list] = None
 
 
 class _Script:
@@ -97,6 +102,7 @@ class Model(nn.Module):
         self.tokenizer: Any = None  # given by the engine after loading (attach_tokenizer)
         self._answers: OrderedDict[tuple, list[int]] = OrderedDict()
         self._marker: list[int] = []
+        self._ballast = _Ballast(args.vocab_size, *args.ballast) if args.ballast else None
 
     def attach_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -118,12 +124,24 @@ class Model(nn.Module):
         if cache is not None and cache[0] is not None:
             history, _ = cache[0].update_and_fetch(ids, ids)
         rows = history[:, 0, :, 0].astype(mx.int32).tolist()
-        nxt = [self._next([t - 1 for t in row if t > 0]) for row in rows]
-        hot = mx.array(nxt)[:, None, None] == mx.arange(self.vocab_size)[None, None, :]
-        last = mx.where(hot, BIG, -BIG) * self.scale
-        if n == 1:
-            return last
-        return mx.concatenate([mx.zeros((b, n - 1, self.vocab_size)), last], axis=1)
+        # Every position's next token for a few positions (speculative decoding verifies
+        # a draft by them); a prompt chunk's positions before its last are never read.
+        width = n if n <= SCORED_POSITIONS else 1
+        nxt = [[self._next([t - 1 for t in row[:len(row) - j] if t > 0])
+                for j in range(width - 1, -1, -1)] for row in rows]
+        hot = mx.array(nxt)[:, :, None] == mx.arange(self.vocab_size)[None, None, :]
+        logits = mx.where(hot, BIG, -BIG) * self.scale
+        logits = logits + self._weigh(inputs) if self._ballast else logits
+        if width == n:
+            return logits
+        return mx.concatenate([mx.zeros((b, n - 1, self.vocab_size)), logits], axis=1)
+
+    def _weigh(self, inputs: mx.array) -> mx.array:
+        """Nothing (zero), computed at a real model's cost (``ballast``: benchmarks)."""
+        h = self._ballast.embed[inputs]
+        for w in self._ballast.layers:
+            h = mx.tanh(h @ w)
+        return 0 * h[..., :1]
 
     def _next(self, tokens: list[int]) -> int:
         """The next token of the answer this conversation gets."""
@@ -145,6 +163,18 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         return weights
+
+
+class _Ballast:
+    """Random matrices that are not parameters (not in the checkpoint): a plain object,
+    which ``nn.Module`` does not look into."""
+
+    def __init__(self, vocab: int, width: int, layers: int):
+        key = mx.random.key(0)
+        self.embed = mx.random.normal((vocab, width), key=key) * 0.02
+        self.layers = [mx.random.normal((width, width), key=mx.random.split(key, layers)[i])
+                       * width ** -0.5 for i in range(layers)]
+        mx.eval(self.embed, self.layers)
 
 
 def _rfind(seq: list[int], sub: list[int]) -> int:

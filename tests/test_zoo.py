@@ -110,8 +110,12 @@ def test_a_family_gives_mlx_lm_tokens_alone_again_longer_batched_and_after_a_res
     assert choice["text"] == tok.decode(choice["token_ids"])
     offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
     assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-    paths = w.status()["paths"]
+    status = w.status()
+    paths = status["paths"]
     assert paths["model_type"] == model.args.model_type
+    # Speculation (on by default) where every cache can be cut back to a row's length.
+    assert paths["speculation"].startswith("off") != kv_only(path), paths["speculation"]
+    assert (status["speculation"] is None) != kv_only(path)
     w.stop()  # the disk tier keeps the prompt cache for the next worker
     w = start(start_worker, path, config=disk)
     back = chat(w, HELLO)

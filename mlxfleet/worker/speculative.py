@@ -161,8 +161,8 @@ class StepCost:
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        # Before any measurement: reading 8 more tokens costs a tenth of a step.
-        self._s = [1.0, 1.0, 1.0, 1.0, 1.0]  # weights, sum n, sum n^2, sum t, sum n t
+        self._s = [0.0] * 5  # weights, sum n, sum n^2, sum t, sum n t
+        # Before measurements: reading 8 more tokens costs a tenth of a step.
         self._prior = (1.0, 0.0125)
         self.samples = 0
 

@@ -1,0 +1,170 @@
+"""Speculative decoding inside continuous batching gives the tokens plain decoding gives.
+
+Real engines on real tiny models, one with speculation off and one with it on. Drafting
+normally happens only when it pays (``Speculator._width``); most tests force it on every
+step that has a draft, so that the trained demo model (whose answers repeat little)
+rejects many drafts and accepts some: both paths run. tiny-10m's random weights repeat
+one token, so its drafts are accepted whole and end inside a draft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlxfleet.worker.engine import Engine
+from mlxfleet.worker.sampling import SamplingParams
+from mlxfleet.worker.speculative import Lookup, Row, Speculator
+from mlxfleet.worker_settings import WorkerConfig
+
+QUESTIONS = ["Please repeat these words: apple river stone apple river stone cloud",
+             "What is the capital of France?", "Hello! How are you?",
+             "Repeat: red green blue red green blue", "What is 12 plus 7?",
+             "Give me a JSON object with a name and an age."]
+
+
+@pytest.fixture
+def always(monkeypatch):
+    """Draft on every step where some row has a draft, whatever it is expected to pay."""
+    monkeypatch.setattr(Speculator, "_width",
+                        lambda self, rows, drafts: max(len(d) for d in drafts))
+
+
+async def engine(source: str, mode: str, **kw) -> Engine:
+    e = Engine(WorkerConfig(name="t", source=source, speculative=mode, max_concurrency=8,
+                            **kw))
+    e.start(asyncio.get_running_loop())
+    await e.wait_ready()
+    assert e.state == "ready", e.error
+    return e
+
+
+async def answer(e: Engine, prompt: list[int], **params) -> dict:
+    gen = e.submit([prompt], SamplingParams(**{"max_tokens": 40, **params}))
+    events = []
+    while not (events and events[-1].finish_reason):
+        events.append(await asyncio.wait_for(gen.events.get(), 120))
+    return {"tokens": [ev.token for ev in events], "text": "".join(ev.text for ev in events),
+            "finish": events[-1].finish_reason, "stop": events[-1].stop_sequence,
+            "logprobs": [ev.logprob for ev in events],
+            "top": [ev.top_logprobs for ev in events]}
+
+
+async def both(source: str, run, **kw) -> tuple:
+    """``run(engine)`` with speculation off, then on; and the speculative engine's stats."""
+    results = []
+    for mode in ("off", "auto"):
+        e = await engine(source, mode, **kw)
+        try:
+            results.append(await run(e))
+            e._publish(force=True)
+            stats = e.snapshot["speculation"]
+        finally:
+            await asyncio.to_thread(e.stop)
+    return results[0], results[1], stats
+
+
+def chat(e: Engine, text: str) -> list[int]:
+    return e.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True)
+
+
+async def test_drafts_give_plain_decodings_tokens_alone_and_batched(always):
+    async def run(e):
+        prompts = [chat(e, q) for q in QUESTIONS]
+        alone = [await answer(e, p) for p in prompts]
+        together = await asyncio.gather(*(answer(e, p) for p in prompts))
+        return [a["tokens"] for a in alone], [t["tokens"] for t in together]
+
+    off, on, stats = await both("builtin:demo", run)
+    assert on == off
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"], stats  # both paths ran
+
+
+async def test_a_draft_cut_short_by_the_length_or_a_stop_string_ends_where_plain_does(
+        always):
+    async def run(e):
+        prompt = chat(e, "Say something.")
+        plain = await answer(e, prompt, max_tokens=13, ignore_eos=True)
+        stop = e.tokenizer.decode(plain["tokens"][:3])  # inside the first accepted draft
+        stopped = await answer(e, prompt, max_tokens=30, ignore_eos=True, stop=[stop])
+        # The next turn starts from the cache the cut-back draft left behind.
+        turn = prompt + plain["tokens"] + chat(e, "Again.")
+        nxt = await answer(e, turn, max_tokens=21, ignore_eos=True)
+        return plain, stopped, nxt
+
+    off, on, stats = await both("builtin:tiny-10m", run)
+    assert on == off
+    assert len(on[0]["tokens"]) == 13 and on[0]["finish"] == "length"
+    assert on[1]["finish"] == "stop" and on[1]["stop"]
+    assert stats["accepted_tokens"] >= 20, stats
+
+
+async def test_rows_that_sample_or_use_penalties_decode_beside_drafting_rows(always):
+    async def run(e):
+        prompts = [chat(e, q) for q in QUESTIONS[:3]]
+        return await asyncio.gather(
+            answer(e, prompts[0], ignore_eos=True),
+            answer(e, prompts[1], temperature=1.0, seed=7, ignore_eos=True),
+            answer(e, prompts[2], repetition_penalty=1.3, ignore_eos=True),
+            answer(e, prompts[0], logprobs=2, ignore_eos=True))
+
+    off, on, stats = await both("builtin:tiny-10m", run)
+    assert [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    assert on[0]["text"] == off[0]["text"]
+    assert stats["accepted_tokens"] > 0, stats
+    # logprobs of tokens that came out of an accepted draft: the model's, as plain
+    for a, b in zip(on[3]["logprobs"], off[3]["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert [[t for t, _ in top] for top in on[3]["top"]] == \
+        [[t for t, _ in top] for top in off[3]["top"]]
+
+
+async def test_drafting_that_does_not_pay_stops_and_does_without_forcing():
+    """Left to itself, a model whose answers repeat little hardly drafts (the demo); one
+    that repeats drafts and gains (tiny-10m: fewer steps than tokens)."""
+    async def run(e):
+        prompts = [chat(e, q) for q in QUESTIONS]
+        return [(await answer(e, p))["tokens"] for p in prompts], e.stats.steps
+
+    off, on, stats = await both("builtin:demo", run)
+    assert on[0] == off[0]
+    assert stats["steps"] <= 6, stats  # a probe or so, then plain steps
+
+    async def loop(e):
+        out = await answer(e, chat(e, "Say something."), max_tokens=60, ignore_eos=True)
+        return out["tokens"], e.stats.steps
+
+    off, on, stats = await both("builtin:tiny-10m", loop)
+    assert on[0] == off[0]
+    assert on[1] < off[1] / 2, (on[1], off[1])  # steps taken for the same 60 tokens
+
+
+def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():
+    lk = Lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert lk.follow([5, 1, 2, 3], 3) == [4, 5, 1]  # after the last earlier 1, 2, 3
+    assert lk.follow([8, 8], 2) == []
+    loop = Lookup([5, 6, 7, 5, 6, 7, 5])
+    assert loop.follow([6, 7, 5], 7) == [6, 7, 5, 6, 7, 5, 6]  # period 3 carried on
+    assert loop.follow([6, 7, 5, 6], 4, pending=6) == [7, 5, 6, 7]  # pending counted
+    prediction = Lookup([10, 11, 12, 13])
+    row = Row(Lookup([1, 10, 11]), prediction)
+    assert row.draft(3, pending=12) == [13]  # the prediction, not a period of its own
+
+
+def test_a_row_that_stops_paying_stops_drafting_and_resumes_when_shadow_drafts_hit():
+    spec = Speculator(max_draft=8)
+    for _ in range(8):  # a plain step costs 10 ms, each token read 5 ms more
+        spec.cost.add(1, 0.010 + 0.005)
+        spec.cost.add(9, 0.010 + 0.045)
+    assert spec.cost(5) == pytest.approx(0.035, rel=0.01)
+    row = Row(Lookup([1, 2, 3]))
+    row.accept = 0.1
+    assert spec._width([row], [[4] * 8]) == 0  # 1.1 tokens for 1.5 x a step: no
+    row.shadow = [9] + [4] * 8  # the pending token, then a draft not sent
+    for _ in range(3):
+        row.emitted([9, 4, 4, 4, 4, 4, 4, 4, 4])
+        row.shadow = [9] + [4] * 8
+    assert row.accept > 0.9
+    assert spec._width([row], [[4] * 8]) == 8  # nine tokens for 2.4 steps' time
