@@ -93,7 +93,9 @@ def _long_stream(fleet, model: str, max_tokens: int, got: dict) -> threading.Thr
 
 
 def test_keep_alive_unloads_when_idle_but_never_mid_stream(fleet):
-    fleet.write("a.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="1s"))
+    # (no speculation: tiny-10m repeats one token, which drafts would finish at once)
+    fleet.write("a.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="1s",
+                                   speculative={"mode": "off"}))
     fleet.start()
     pid = fleet.wait_ready("slow")["pid"]
     got = {}
@@ -206,7 +208,8 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
                              "MLXFLEET_BUSY_WAIT_TIMEOUT": "3"})
     spec = dict(preload=False, cache={"memoryMB": 200}, keepAlive="forever")
     f.write("a.yaml", manifest("a", **spec))
-    f.write("b.yaml", manifest("b", source="builtin:tiny-10m", **spec))
+    f.write("b.yaml", manifest("b", source="builtin:tiny-10m", speculative={"mode": "off"},
+                               **spec))  # (b's streams must last: no drafts, see above)
     f.write("c.yaml", manifest("c", **spec))
     f.start()
     try:

@@ -141,6 +141,19 @@ async def test_drafting_that_does_not_pay_stops_and_does_without_forcing():
     assert on[1] < off[1] / 2, (on[1], off[1])  # steps taken for the same 60 tokens
 
 
+async def test_a_prediction_drafts_the_answer_and_the_answer_stays_the_models():
+    async def run(e):
+        prompt = chat(e, QUESTIONS[2])
+        plain = await answer(e, prompt)
+        predicted = await answer(e, prompt, prediction=plain["tokens"][:-1])
+        wrong = await answer(e, prompt, prediction=e.tokenizer.encode("No idea, sorry!"))
+        return plain["tokens"], predicted["tokens"], wrong["tokens"]
+
+    off, on, stats = await both("builtin:demo", run)
+    assert on == off and on[1] == on[0] == on[2]
+    assert stats["accepted_tokens"] >= len(on[0]) // 2, stats  # the prediction was used
+
+
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():
     lk = Lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
     assert lk.follow([5, 1, 2, 3], 3) == [4, 5, 1]  # after the last earlier 1, 2, 3

@@ -166,6 +166,8 @@ def _prepare(info: ModelInfo, req: GenRequest, images: Optional[list] = None):
             len(prompts) == 1 else OutputPlan()
     params = sampling_params(info, req, prompts)
     params.grammar = plan.grammar
+    if req.prediction:  # drafts for speculative decoding; the answer is the model's own
+        params.prediction = info.tokenizer.encode(req.prediction, add_special_tokens=False)
     if plan.grammar is not None and plan.grammar.min_tokens > params.max_tokens:
         raise APIError(400, f"max_tokens {params.max_tokens} is too small for the JSON "
                        f"schema: its shortest complete value takes {plan.grammar.min_tokens} "

@@ -603,6 +603,9 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
+        if self._speculator is not None and p.prediction:
+            for uid in uids:
+                self._speculator.predict(uid, p.prediction)
         if gen.phase == "queued":
             gen.phase, gen.started_at = "prefill", time.monotonic()
             self._count_request(gen)

@@ -100,6 +100,21 @@ def _tool_choice(choice: Any) -> Any:
     return choice
 
 
+def _prediction(pred: Optional[dict[str, Any]]) -> Optional[str]:
+    """The text of OpenAI's predicted output (``{"type": "content", "content": ...}``)."""
+    if pred is None:
+        return None
+    content = pred.get("content")
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict)]
+        content = "".join(parts) if all(isinstance(t, str) for t in parts) else None
+    if pred.get("type") != "content" or not isinstance(content, str):
+        raise APIError(400, 'prediction must be {"type": "content", "content": TEXT} (or '
+                       "content as a list of text parts).", param="prediction",
+                       code="invalid_value")
+    return content or None
+
+
 def chat_request(body: dict[str, Any]) -> GenRequest:
     req = parse_model(ChatCompletionRequest, body)
     images: list[ImageRef] = []
@@ -111,6 +126,7 @@ def chat_request(body: dict[str, Any]) -> GenRequest:
         parallel_tool_calls=req.parallel_tool_calls is not False,
         response_schema=_response_schema(req.response_format),
         template_kwargs=req.chat_template_kwargs or {},
+        prediction=_prediction(req.prediction),
         max_tokens=req.max_completion_tokens or req.max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         **_sampling(req))

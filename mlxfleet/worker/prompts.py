@@ -56,6 +56,7 @@ class GenRequest:
     return_token_ids: bool = False  # answers carry prompt_token_ids and token_ids (vLLM)
     prompt_param: str = "messages"  # the field errors about the prompt name
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # for the chat template
+    prediction: Optional[str] = None  # the expected output (OpenAI's predicted outputs)
     #: a freeform tool the answer must be a call of: (name, its Lark grammar)
     forced_grammar: Optional[tuple[str, str]] = None
     # Images, in prompt order; each sits in its message's content as {"type": "image"}.

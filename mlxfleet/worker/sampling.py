@@ -34,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # hide special tokens from the text (vLLM's default)
     keep_leading_space: bool = False  # a completion's text is exactly its tokens' text
     asked_max_tokens: Optional[int] = None  # what the client asked, when it was lowered
+    prediction: Optional[list[int]] = None  # the client's expected output, as draft tokens
 
     def sampler_key(self) -> tuple:
         return (self.temperature, self.top_p, self.min_p, self.top_k)

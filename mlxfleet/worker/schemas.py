@@ -146,6 +146,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: enable_thinking, ...
+    prediction: Optional[dict[str, Any]] = None  # predicted output: drafts for speculation
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,226 @@
+"""Speculative decoding against mlx_lm.server, with and without its draft model, in one run.
+
+    .venv/bin/python benchmarks/speculative.py [--streams 1 8 32] [--ballast 768 64]
+
+The model is ``builtin:scripted`` carrying ballast: at every token it multiplies
+``--ballast WIDTH LAYERS`` random matrices (768 x 768, 64 of them: about tiny-50m's
+work per token), so a step costs what a small real model's does, while the answer is
+the one its script gives. That is what makes the workloads mean something with no
+trained model at hand: random weights only repeat one token, which any prompt lookup
+drafts perfectly. Two workloads:
+
+- **edit**: "rename `total` to `result` in this code and write it out": the answer is
+  the code with the rename (what a coding agent's edit looks like).
+- **chat**: a question whose answer is prose the prompt does not contain.
+
+mlx_lm.server's draft mode gets a draft model with the same script (its drafts are
+always right: its best case) and a fifth of the ballast. It decodes one request at a
+time (it turns batching off with a draft model). Each server answers every workload
+at each stream count; the acceptance rate is our worker's (its ``/v1/status``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlxfleet.blas import preload_blas  # noqa: E402
+
+BLAS = preload_blas()
+
+import httpx  # noqa: E402
+from compare import PY, Proc, free_port, wait_http  # noqa: E402
+
+from mlxfleet.sources import resolve_source  # noqa: E402
+
+WORDS = ("river stone market light window garden morning paper island quiet bridge "
+         "summer letter forest station harbor winter candle mountain orchard silver "
+         "valley engine thunder meadow lantern village canvas shadow copper").split()
+
+#: mlx_lm.server with the scripted model type registered and its tokenizer attached.
+MLX_LM_SERVER = (
+    "import sys; sys.path.insert(0, {root!r}); from mlxfleet.blas import preload_blas; "
+    "preload_blas(); from mlxfleet.scripted import register; register(); "
+    "import mlx_lm.server as s; real = s.load\n"
+    "def load(*a, **k):\n"
+    "    out = real(*a, **k); out[0].attach_tokenizer(out[1]); return out\n"
+    "s.load = load; sys.argv = sys.argv[1:]; s.main()")
+
+
+def code(i: int) -> str:
+    return "".join(
+        f"def step_{i}_{j}(values, scale):\n"
+        f"    total = 0\n"
+        f"    for v in values:\n"
+        f"        total += v * scale + {j}\n"
+        f"    return total / {i + j + 1}\n\n" for j in range(4))
+
+
+def prose(i: int) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(110)) + "."
+
+
+def workloads(n: int) -> dict[str, list[tuple[str, str]]]:
+    """(prompt, scripted answer) pairs per workload."""
+    edit = [(f"Task {i}: rename total to result in this code and write it out in full:\n"
+             f"```python\n{code(i)}```",
+             f"```python\n{code(i).replace('total', 'result')}```") for i in range(n)]
+    chat = [(f"Question {i}: what do you see from the old bridge in the morning?",
+             prose(i)) for i in range(n)]
+    return {"edit": edit, "chat": chat}
+
+
+def checkpoint(tmp: Path, name: str, ballast: list[int], pairs: list[tuple[str, str]]
+               ) -> Path:
+    """builtin:scripted with ballast and a rule per prompt."""
+    out = tmp / name
+    shutil.copytree(resolve_source("builtin:scripted"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["ballast"] = ballast
+    cfg["script"] = {"rules": [{"when": prompt.split(":")[0] + ":", "say": answer}
+                               for prompt, answer in pairs], "otherwise": "?"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+async def round_of(url: str, model: str, pairs: list[tuple[str, str]]) -> dict:
+    """All prompts at once; output tokens per second over the round."""
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
+        async def one(prompt: str, answer: str) -> int:
+            r = await c.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 600, "temperature": 0})
+            r.raise_for_status()
+            body = r.json()
+            assert body["choices"][0]["message"]["content"].strip() == answer.strip(), \
+                body["choices"][0]["message"]["content"][:200]
+            return body["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p, a) for p, a in pairs))
+        wall = time.perf_counter() - t0
+    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall}
+
+
+def lone_ms(url: str, model: str, n: int = 20) -> float:
+    """Median time of a 1-token request (after two warm-ups)."""
+    times = []
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for i in range(n + 2):
+            t0 = time.perf_counter()
+            r = c.post("/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": f"hi {i}"}],
+                "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def spec_stats(url: str) -> dict:
+    return httpx.get(url + "/v1/status").json().get("speculation") or {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--ballast", type=int, nargs=2, default=[768, 64])
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    args = ap.parse_args()
+    n = max(args.streams)
+    work = workloads(n)
+    everything = [p for pairs in work.values() for p in pairs]
+    tmp = Path(tempfile.mkdtemp(prefix="mlxfleet-spec-"))
+    target = checkpoint(tmp, "target", args.ballast, everything)
+    draft = checkpoint(tmp, "draft", [args.ballast[0], max(1, args.ballast[1] // 5)],
+                       everything)
+    servers = {"mlx_lm.server": [], "mlx_lm.server + draft": ["--draft-model", str(draft),
+                                                              "--num-draft-tokens", "4"]}
+    workers = {"mlxfleet, speculation off": "off", "mlxfleet": "auto"}
+    procs, urls = [], {}
+    try:
+        for name, extra in servers.items():
+            port = free_port()
+            procs.append(Proc([PY, "-c", MLX_LM_SERVER.format(root=str(ROOT)), "mlx_lm.server",
+                               "--model", str(target), "--port", str(port),
+                               "--decode-concurrency", str(n), "--prompt-concurrency", "8",
+                               *extra], tmp / f"{name}.log"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name, mode in workers.items():
+            port = free_port()
+            procs.append(Proc([PY, "-m", "mlxfleet", "worker", "--source", str(target),
+                               "--name", "bench", "--bind", f"127.0.0.1:{port}",
+                               "--max-concurrency", str(n), "--max-request-tokens", "4096",
+                               "--cache-mb", "2048", "--speculative", mode,
+                               "--draft-tokens", str(args.draft_tokens)],
+                              tmp / f"worker-{mode}.log"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name, url in urls.items():
+            wait_http(url + ("/health" if name.startswith("mlxfleet") else "/v1/models"))
+        model = {name: "bench" if name.startswith("mlxfleet") else str(target)
+                 for name in urls}
+        results: dict = {"rounds": {}, "lone_ms": {}}
+        for kind, pairs in work.items():
+            for s in args.streams:
+                row = {}
+                for name, url in urls.items():
+                    before = spec_stats(url) if name == "mlxfleet" else {}
+                    row[name] = asyncio.run(round_of(url, model[name], pairs[:s]))
+                    if name == "mlxfleet":
+                        after = spec_stats(url)
+                        drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
+                        got = after["accepted_tokens"] - before.get("accepted_tokens", 0)
+                        row[name]["acceptance"] = got / drafted if drafted else None
+                results["rounds"][f"{kind} x{s}"] = row
+                print(kind, s, {k: round(v["tokens_per_s"], 1) for k, v in row.items()},
+                      "acceptance", row["mlxfleet"]["acceptance"], flush=True)
+        for name in ("mlx_lm.server", "mlxfleet"):
+            results["lone_ms"][name] = lone_ms(urls[name], model[name])
+    finally:
+        for p in procs:
+            p.stop()
+    print(render(results, args))
+
+
+def render(r: dict, args) -> str:
+    names = list(next(iter(r["rounds"].values())))
+    lines = ["| workload x streams | " + " | ".join(names) +
+             " | mlxfleet / mlx_lm.server | acceptance |",
+             "|---" * (len(names) + 3) + "|"]
+    for key, row in r["rounds"].items():
+        base = row["mlx_lm.server"]["tokens_per_s"]
+        acc = row["mlxfleet"]["acceptance"]
+        lines.append(f"| {key} | " + " | ".join(f"{row[n]['tokens_per_s']:.1f}" for n in names)
+                     + f" | {row['mlxfleet']['tokens_per_s'] / base:.2f}x | "
+                     + (f"{acc:.0%}" if acc is not None else "no drafts") + " |")
+    lone = r["lone_ms"]
+    lines.append("")
+    lines.append(f"Lone 1-token request (median of 20): mlx_lm.server "
+                 f"{lone['mlx_lm.server']:.1f} ms, mlxfleet {lone['mlxfleet']:.1f} ms.")
+    import platform
+
+    import mlx.core as mx
+    import mlx_lm
+
+    lines.append(f"\nOutput tokens per second; ballast {args.ballast[0]} x {args.ballast[1]}; "
+                 f"BLAS {BLAS or 'bundled'}; {platform.machine()}, {os.cpu_count()} CPUs; "
+                 f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}; command: python "
+                 "benchmarks/speculative.py " + " ".join(sys.argv[1:]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
