@@ -127,11 +127,10 @@ class Model(nn.Module):
         # Every position's next token for a few positions (speculative decoding verifies
         # a draft by them); a prompt chunk's positions before its last are never read.
         width = n if n <= SCORED_POSITIONS else 1
-        nxt = [[self._next([t - 1 for t in row[:len(row) - j] if t > 0])
-                for j in range(width - 1, -1, -1)] for row in rows]
+        nxt = [self._next([t - 1 for t in row if t > 0], width) for row in rows]
         hot = mx.array(nxt)[:, :, None] == mx.arange(self.vocab_size)[None, None, :]
         logits = mx.where(hot, BIG, -BIG) * self.scale
-        logits = logits + self._weigh(inputs) if self._ballast else logits
+        logits = logits + self._weigh(inputs)[:, n - width:] if self._ballast else logits
         if width == n:
             return logits
         return mx.concatenate([mx.zeros((b, n - 1, self.vocab_size)), logits], axis=1)
@@ -143,12 +142,29 @@ class Model(nn.Module):
             h = mx.tanh(h @ w)
         return 0 * h[..., :1]
 
-    def _next(self, tokens: list[int]) -> int:
-        """The next token of the answer this conversation gets."""
-        at = _rfind(tokens, self._marker) if self._marker else -1
-        if at < 0 or self.tokenizer is None:
-            return self.eos
-        prompt, written = tuple(tokens[:at + len(self._marker)]), tokens[at + len(self._marker):]
+    def _next(self, tokens: list[int], width: int = 1) -> list[int]:
+        """The next token of the answer this conversation gets, after each of its last
+        ``width`` positions (eos before the answer starts: never read)."""
+        first = len(tokens) - width + 1  # the shortest prefix asked about
+        starts, hi = [], len(tokens)  # where answers start, latest first
+        while self._marker and self.tokenizer is not None:
+            at = _rfind(tokens, self._marker, hi)
+            if at < 0:
+                break
+            starts.append(at + len(self._marker))
+            if starts[-1] <= first:
+                break
+            hi = starts[-1] - 1  # (a draft can hold a marker: look further back)
+        out = []
+        for end in range(first, len(tokens) + 1):
+            start = next((s for s in starts if s <= end), None)
+            answer = self._answer(tuple(tokens[:start])) if start is not None else []
+            written = end - start if start is not None else -1
+            out.append(answer[written] if 0 <= written < len(answer) else self.eos)
+        return out
+
+    def _answer(self, prompt: tuple) -> list[int]:
+        """The answer's tokens (then eos) for the conversation up to its answer marker."""
         answer = self._answers.get(prompt)
         if answer is None:
             text = self.tokenizer.decode(list(prompt))
@@ -159,7 +175,7 @@ class Model(nn.Module):
                 self._answers.popitem(last=False)
         else:
             self._answers.move_to_end(prompt)
-        return answer[len(written)] if len(written) < len(answer) else self.eos
+        return answer
 
     def sanitize(self, weights: dict) -> dict:
         return weights
@@ -177,8 +193,9 @@ class _Ballast:
         mx.eval(self.embed, self.layers)
 
 
-def _rfind(seq: list[int], sub: list[int]) -> int:
-    for i in range(len(seq) - len(sub), -1, -1):
+def _rfind(seq: list[int], sub: list[int], end: Optional[int] = None) -> int:
+    """The last start of ``sub`` in ``seq[:end]``, or -1."""
+    for i in range((len(seq) if end is None else end) - len(sub), -1, -1):
         if seq[i:i + len(sub)] == sub:
             return i
     return -1

@@ -10,12 +10,13 @@ one token, so its drafts are accepted whole and end inside a draft.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from mlxfleet.worker.engine import Engine
 from mlxfleet.worker.sampling import SamplingParams
-from mlxfleet.worker.speculative import Lookup, Row, Speculator
+from mlxfleet.worker.speculative import Lookup, Row, Speculator, accept_sampled
 from mlxfleet.worker_settings import WorkerConfig
 
 QUESTIONS = ["Please repeat these words: apple river stone apple river stone cloud",
@@ -152,6 +153,43 @@ async def test_a_prediction_drafts_the_answer_and_the_answer_stays_the_models():
     off, on, stats = await both("builtin:demo", run)
     assert on == off and on[1] == on[0] == on[2]
     assert stats["accepted_tokens"] >= len(on[0]) // 2, stats  # the prediction was used
+
+
+async def test_sampled_rows_draft_and_keep_what_the_model_says(always, monkeypatch,
+                                                                 tmp_path):
+    """The scripted model puts all its probability on the script's next token: sampled
+    at temperature 1, every accepted draft token must still be the script's."""
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"rules": [{"when": "Repeat: (?P<t>[^<]*)<",
+                                             "say": "\\g<t>"}]}))
+    monkeypatch.setenv("MLXFLEET_SCRIPT", str(script))
+    text = "one fish two fish red fish blue fish, " * 4
+
+    async def run(e):
+        outs = await asyncio.gather(*(answer(e, chat(e, f"Repeat: {text}{i}"), max_tokens=200,
+                                             temperature=1.0, top_p=0.9) for i in range(3)))
+        return [o["text"] for o in outs]
+
+    off, on, stats = await both("builtin:scripted", run)
+    assert off == [f"{text}{i}" for i in range(3)], off
+    assert on == off
+    assert stats["accepted_tokens"] >= 40, stats
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    import mlx.core as mx
+
+    mx.random.seed(3)
+    target = mx.array([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    n, first, second = 3000, [0, 0, 0], [0, 0, 0]
+    for _ in range(n):
+        accepted, nxt = accept_sampled(target, [0, 1])
+        out = ([0, 1][:accepted] + [nxt])
+        first[out[0]] += 1
+        if out[0] == 0 and len(out) > 1:
+            second[out[1]] += 1
+    assert [round(c / n, 2) for c in first] == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+    assert [c / sum(second) for c in second] == pytest.approx([0.1, 0.6, 0.3], abs=0.04)
 
 
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():

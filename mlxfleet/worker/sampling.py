@@ -54,11 +54,45 @@ class Samplers:
         key = p.sampler_key()
         s = self._shared.get(key)
         if s is None:
-            from mlx_lm.sample_utils import make_sampler
-
-            s = make_sampler(p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
-            self._shared[key] = s
+            s = self._shared[key] = SharedSampler(p)
         return s
+
+
+def _filters(p: SamplingParams) -> list:
+    """mlx-lm's ``make_sampler`` filters, in its order (top-p, min-p, top-k)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    out = []
+    if 0 < p.top_p < 1:
+        out.append(lambda x: apply_top_p(x, p.top_p))
+    if p.min_p:
+        out.append(lambda x: apply_min_p(x, p.min_p))
+    if p.top_k > 0:
+        out.append(lambda x: apply_top_k(x, p.top_k))
+    return out
+
+
+class SharedSampler:
+    """mlx-lm's sampler for these settings, and the distribution it draws from
+    (``probs``: what speculative decoding accepts drafts against)."""
+
+    def __init__(self, p: SamplingParams):
+        from mlx_lm.sample_utils import make_sampler
+
+        self._sample = make_sampler(p.temperature, top_p=p.top_p, min_p=p.min_p,
+                                    top_k=p.top_k)
+        self._filters = _filters(p)
+        self._temp = p.temperature
+
+    def __call__(self, logprobs):
+        return self._sample(logprobs)
+
+    def probs(self, logprobs):
+        import mlx.core as mx
+
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs * (1 / self._temp), axis=-1)
 
 
 def logits_processors(p: SamplingParams, tokenizer: Any, vocab_size: int) -> list:
@@ -88,18 +122,11 @@ class SeededSampler:
 
     def __init__(self, p: SamplingParams, seed: int):
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         self._mx = mx
         self._key = mx.random.key(seed % (1 << 32))  # any int64 seed; MLX keys are 32-bit
         self._temp = p.temperature
-        self._filters = []
-        if 0 < p.top_p < 1:
-            self._filters.append(lambda x: apply_top_p(x, p.top_p))
-        if p.min_p:
-            self._filters.append(lambda x: apply_min_p(x, p.min_p))
-        if p.top_k > 0:
-            self._filters.append(lambda x: apply_top_k(x, p.top_k))
+        self._filters = _filters(p)
 
     def __call__(self, logprobs):
         mx = self._mx

@@ -19,8 +19,10 @@ Whether a step speculates, and how wide, is chosen per step from what it is expe
 pay: each sequence's acceptance rate (also measured on drafts it did not send, so that
 drafting resumes when it would pay again) against the measured cost of a forward pass
 as a function of the tokens it reads (``StepCost``). Greedy rows are exact: a row emits
-only tokens the model's argmax gives. Rows that sample, or run logits processors
-(penalties, grammars), don't draft; they are decoded in the same pass, one token each.
+only tokens the model's argmax gives. Rows that sample keep the model's distribution by
+standard speculative (rejection) sampling (``accept_sampled``). Rows with logits
+processors (penalties, grammars) or a seed don't draft; they are decoded in the same
+pass, one token each.
 
 ``Speculator.next`` takes the place of mlx-lm's ``GenerationBatch.next`` and touches the
 batch's internals (``_next_tokens``, ``_num_tokens``, ``_matchers``...):
@@ -56,13 +58,46 @@ def unsupported(model: Any, sharded: bool, vision: bool) -> Optional[str]:
     return None
 
 
-def _greedy(gb: Any, i: int) -> bool:
-    """Row ``i`` of the batch takes the argmax, with no logits processors."""
+GREEDY, SAMPLED, PLAIN = "greedy", "sampled", "plain"
+
+
+def _kind(gb: Any, i: int) -> str:
+    """How row ``i`` of the batch verifies a draft: ``greedy`` (the argmax), ``sampled``
+    (rejection sampling against its sampler's distribution), or ``plain``: it doesn't
+    draft (logits processors depend on every token before; a seeded sampler must draw
+    the same numbers however the steps fall)."""
     from mlx_lm.sample_utils import greedy_sampler
 
+    if gb.logits_processors and gb.logits_processors[i]:
+        return PLAIN
     s = gb.samplers[i] if gb.samplers else None
-    return not (gb.logits_processors and gb.logits_processors[i]) and (
-        s is greedy_sampler or (s is None and gb.fallback_sampler is greedy_sampler))
+    s = gb.fallback_sampler if s is None else s
+    if s is greedy_sampler:
+        return GREEDY
+    return SAMPLED if hasattr(s, "probs") else PLAIN
+
+
+def accept_sampled(probs: Any, draft: list[int]) -> tuple[int, int]:
+    """Standard speculative sampling for a draft that is one token per position (prompt
+    lookup: the draft's own distribution is all on its token). ``probs``: the target
+    distribution at the draft's positions and one more, ``(len(draft) + 1, vocab)``.
+    Each draft token is accepted with its target probability; at the first rejection
+    the next token is drawn from the target with that token removed (renormalized), and
+    after a draft accepted whole, from the next position's target. The output has the
+    target's distribution exactly. Returns (tokens accepted, the next token)."""
+    import mlx.core as mx
+
+    k = len(draft)
+    accepted = 0
+    if k:
+        p = probs[mx.arange(k), mx.array(draft)]
+        hits = (mx.random.uniform(shape=(k,)) < p).tolist()
+        while accepted < k and hits[accepted]:
+            accepted += 1
+    row = probs[accepted]
+    if accepted < k:  # the residual: max(p - q, 0) with q all on the rejected token
+        row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], 0, row)
+    return accepted, int(mx.random.categorical(mx.log(row)).item())
 
 
 class Lookup:
@@ -260,7 +295,7 @@ class Speculator:
 
     def _plan(self, gb: Any, rows: list[Row]) -> Optional[list[list[int]]]:
         """Each row's draft for this step (some empty), or None for a plain step."""
-        eligible = [_greedy(gb, i) for i in range(len(rows))]
+        eligible = [_kind(gb, i) != PLAIN for i in range(len(rows))]
         # Drafts found without the pending token (not read yet: reading it waits for the
         # step in flight); they cover that token too, so they are one longer.
         k = self.max_draft
@@ -301,10 +336,10 @@ class Speculator:
                      dtype=mx.uint32)
         logits = gb.model(x, cache=gb.prompt_cache)
         greedy = mx.argmax(logits, axis=-1)
-        # Rows that sample or process logits take one token, as mlx-lm's step would.
-        special = [i for i in range(b) if not _greedy(gb, i)]
+        kinds = [_kind(gb, i) for i in range(b)]
+        # Rows that don't draft take one token, as mlx-lm's step would.
         sampled = {}
-        for i in special:
+        for i in (i for i in range(b) if kinds[i] == PLAIN):
             lg = logits[i:i + 1, 0]
             procs = gb.logits_processors[i] if gb.logits_processors else None
             if procs:
@@ -325,13 +360,20 @@ class Speculator:
         responses, keep, kept_len = [], [], []
         nxt, nxt_lp = [0] * b, [pending_lp[0]] * b  # (finished rows: placeholders)
         for i, (row, d) in enumerate(zip(rows, drafts)):
-            if i in sampled:
+            if kinds[i] == PLAIN:
                 accepted, follow, follow_lp = 0, int(sampled[i][0].item()), sampled[i][1]
             else:
-                accepted = 0
-                while accepted < len(d) and d[accepted] == targets[i][accepted]:
-                    accepted += 1
-                follow, follow_lp = targets[i][accepted], logprobs(i, accepted)
+                if kinds[i] == SAMPLED:
+                    lg = logits[i, :len(d) + 1]
+                    accepted, follow = accept_sampled(
+                        gb.samplers[i].probs(lg - mx.logsumexp(lg, axis=-1, keepdims=True)),
+                        d)
+                else:
+                    accepted = 0
+                    while accepted < len(d) and d[accepted] == targets[i][accepted]:
+                        accepted += 1
+                    follow = targets[i][accepted]
+                follow_lp = logprobs(i, accepted)
                 if d:
                     row.learn(accepted, len(d))
                     self.stats.drafted += len(d)
