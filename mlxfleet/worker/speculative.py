@@ -249,6 +249,8 @@ class Speculator:
         """The client's prediction of ``uid``'s output (OpenAI's ``prediction``)."""
         if tokens:
             self.predictions[uid] = tokens
+            while len(self.predictions) > 1024:  # (sequences cancelled before decoding)
+                del self.predictions[next(iter(self.predictions))]
 
     def next(self, gb: Any) -> list:
         """One decode step of ``gb`` (mlx-lm's ``GenerationBatch``): speculative when it
