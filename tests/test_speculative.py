@@ -219,3 +219,26 @@ def test_a_row_that_stops_paying_stops_drafting_and_resumes_when_shadow_drafts_h
         row.shadow = [9] + [4] * 8
     assert row.accept > 0.9
     assert spec._width([row], [[4] * 8]) == 8  # nine tokens for 2.4 steps' time
+
+
+def test_the_openai_sdk_sends_a_prediction_and_a_bad_one_is_a_400(start_worker):
+    """The HTTP path: the official SDK's ``prediction`` reaches the engine (drafts are
+    accepted, the answer is the model's), and a malformed one is OpenAI's 400."""
+    import openai
+
+    w = start_worker("--speculative", "auto", source="builtin:demo", name="demo")
+    client = openai.OpenAI(base_url=w.base_url + "/v1", api_key="unused")
+    ask = [{"role": "user", "content": QUESTIONS[2]}]
+    plain = client.chat.completions.create(model="demo", messages=ask, temperature=0,
+                                           max_tokens=40).choices[0].message.content
+    before = w.status()["speculation"]["accepted_tokens"]
+    predicted = client.chat.completions.create(
+        model="demo", messages=ask, temperature=0, max_tokens=40,
+        prediction={"type": "content", "content": plain}).choices[0].message.content
+    assert predicted == plain
+    # the prediction drafted most of the answer (plain decoding of it drafted little)
+    assert w.status()["speculation"]["accepted_tokens"] - before >= 5, before
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=ask, max_tokens=4,
+                                       prediction={"type": "text", "content": 3})
+    assert e.value.body["param"] == "prediction"
