@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from fleet import wait_for
 from mlx_lm.models.cache import KVCache
 
 from mlxfleet.worker.prompt_cache import MIN_REUSE_TOKENS, PromptCache
@@ -153,7 +154,9 @@ def test_a_cancelled_request_leaves_its_prefill_for_the_retry(start_worker):
             lines = r.iter_lines()
             while not next(lines).startswith("data: {"):
                 pass  # the first token came: the prompt is prefilled
-        # hung up mid-generation; the same prompt again (a client's retry)
+        # hung up mid-generation. The worker hears of it a moment later; a client's
+        # retry (after its backoff) sends the same prompt again
+        assert wait_for(lambda: w.status()["num_running"] == 0, timeout=30), w.status()
         again = c.post("/v1/chat/completions", json={**body, "stream": False,
                                                      "max_tokens": 1}).json()
     usage = again["usage"]
