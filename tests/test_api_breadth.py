@@ -267,6 +267,26 @@ def test_structured_output_always_parses_even_when_the_budget_runs_out(fleet, na
     jsonschema.validate(json.loads(text), schema)
 
 
+def test_a_value_with_a_pattern_to_meet_still_closes_within_the_budget(fleet):
+    """Choosing the key ``b`` costs more than its bytes: its value must contain "11".
+    The closer must spell that pattern and count it before letting the model choose."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"b": {"type": "string", "pattern": "11"}},
+              "required": ["a"]}
+    for max_tokens in range(8, 22):
+        r = fleet.openai().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
+            max_tokens=max_tokens, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    top = fleet.openai().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "11"}}})
+    assert "11" in json.loads(top.choices[0].message.content)  # not refused as impossible
+
+
 def test_json_object_with_the_demo_model(fleet):
     r = fleet.openai().chat.completions.create(
         model="demo", response_format={"type": "json_object"}, max_tokens=60, temperature=0,

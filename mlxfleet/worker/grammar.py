@@ -276,6 +276,9 @@ _CLOSER_BYTES = frozenset(b'"{}[],: ')
 _LITERALS = (b"true", b"false", b"null")
 #: How far from the budget the closer starts planning (and the longest close it plans).
 CLOSE_HORIZON = 48
+#: Up to this many allowed tokens, the closer checks each one's way out, not only those
+#: that add structure.
+FEW_CHOICES = 16
 #: Tokens of slack kept between the closing plan and the budget.
 CLOSE_SLACK = 4
 #: The longest shortest value a schema may have (found by the closer when compiling).
@@ -341,10 +344,11 @@ def _closing_score(state: Scan, text: bytes) -> tuple[int, int, Scan]:
 
 
 def _opens(state: Scan, text: bytes, here: int) -> bool:
-    """Whether ``text`` adds work: deeper structure, or a comma (another item or key)."""
+    """Whether ``text`` adds work: deeper structure, a comma (another item or key), or
+    a colon (the key's value is due, and its schema may make it long: a pattern)."""
     st = state
     for b in text:
-        if b == ord(",") and not st[1]:
+        if b in b",:" and not st[1]:
             return True
         st = scan(st, bytes([b]))
     return distance(st) > here
@@ -367,6 +371,9 @@ class _Vocab:
         #: tokens that close a string (a quote and what may follow it)
         self.quotes = np.array([i for i, t in enumerate(self.texts) if t[:1] == b'"'
                                 and len(t) <= 4], dtype=np.int64)
+        #: one printable byte each: what a string pattern is spelled with
+        self.single = [i for i, t in enumerate(self.texts) if len(t) == 1 and 32 <= t[0] < 127]
+        self.quote = self.texts.index(b'"') if b'"' in self.texts else None
         self._scores: dict[tuple[Scan, int], tuple[int, int, Scan]] = {}
 
     def score(self, state: Scan, token: int) -> tuple[int, int, Scan]:
@@ -394,11 +401,13 @@ _vocabs: dict[int, _Vocab] = {}
 LOOKAHEAD = 8
 
 
-def _pick(state: Scan, cand: list[int], vocab: _Vocab, m: Any = None) -> int:
+def _pick(state: Scan, cand: list[int], vocab: _Vocab, m: Any = None,
+          deep: Optional[list[int]] = None) -> int:
     """The closer's next token: the best score, never one that comes back to the same
     state (``", "`` in an array: one more item, no progress); filler inside a string
     only as much as the grammar insists on (a minLength, an enum: then the longest),
-    and preferably filler after which the string may close (a pattern to satisfy)."""
+    and preferably filler after which the string may close (a pattern to satisfy:
+    ``deep`` counts the searches two bytes ahead this plan may still make)."""
     scored = []
     for t in cand:
         score, filler, after = vocab.score(state, t)
@@ -417,8 +426,35 @@ def _pick(state: Scan, cand: list[int], vocab: _Vocab, m: Any = None) -> int:
                 bits = GrammarProcessor._allowed(trial, len(vocab.texts))
                 if bits[quotes[quotes < bits.size]].any():
                     return t
+            if deep and deep[0] > 0:
+                step = _spell_to_close(m, state, vocab)
+                if step is not None:
+                    return step
+                deep[0] -= 1  # a failed search costs ~10k checks: not at every token
         return ranked[0][3]
     return min(scored)[3]
+
+
+def _spell_to_close(m: Any, state: Scan, vocab: _Vocab) -> Optional[int]:
+    """The first of one or two printable bytes after which the open string may end
+    (``"pattern": "11"`` wants both 1s before its quote; the closer's short tokens
+    rarely spell it). ``validate_tokens`` checks a path without consuming it."""
+    q = vocab.quote
+    if q is None:
+        return None
+
+    def closes(path: list[int]) -> bool:
+        if m.validate_tokens([*path, q]) != len(path) + 1:
+            return False
+        return not scan(state, b"".join(vocab.texts[t] for t in path) + b'"')[1]
+
+    for path in ([a] for a in vocab.single):
+        if closes(path):
+            return path[0]
+    for a in vocab.single:
+        if m.validate_tokens([a]) == 1 and any(closes([a, b]) for b in vocab.single):
+            return a
+    return None
 
 
 class GrammarProcessor:
@@ -501,9 +537,13 @@ class GrammarProcessor:
                 self.forced_close = True
             else:  # no token whose completion would no longer fit
                 texts, here = self._vocab.texts, distance(self._scan)
-                for t in np.nonzero(bits & self._vocab.structural[:vocab])[0]:
+                allowed = np.nonzero(bits)[0]
+                # A choice among a few (keys, enum values) is checked whole: choosing a
+                # key whose value has a pattern to meet costs more than its bytes show.
+                few = allowed.size <= FEW_CHOICES
+                for t in allowed if few else np.nonzero(bits & self._vocab.structural[:vocab])[0]:
                     t = int(t)
-                    if not _opens(self._scan, texts[t], here):
+                    if not few and not _opens(self._scan, texts[t], here):
                         continue
                     m = self._m.deep_copy()
                     m.consume_token(t)
@@ -530,6 +570,7 @@ def _closing_tokens(m: Any, vocab: _Vocab, state: Scan, size: int, eos: set[int]
 
     plan: list[int] = []
     closers = vocab.closers
+    deep = [1]
     while len(plan) < horizon and not m.is_accepting():
         bits = GrammarProcessor._allowed(m, size)
         allowed = np.nonzero(bits)[0]
@@ -545,7 +586,7 @@ def _closing_tokens(m: Any, vocab: _Vocab, state: Scan, size: int, eos: set[int]
         cand = [int(t) for t in cand if int(t) not in eos]
         if not cand:
             break
-        best = _pick(state, cand, vocab, m)
+        best = _pick(state, cand, vocab, m, deep)
         m.consume_token(best)
         state = scan(state, vocab.texts[best])
         plan.append(best)
