@@ -124,6 +124,11 @@ class SpeculativeSpec(_Spec):
     draft_tokens: Optional[int] = Field(
         default=None, ge=1, le=32, description="the most draft tokens a sequence sends in "
         f"one step (default {_d('draft_tokens')})")
+    draft_model: Optional[str] = Field(
+        default=None, min_length=1, description="a smaller model with the same tokenizer "
+        "that drafts for every sequence (builtin:NAME, a directory or a Hugging Face repo "
+        "id; pulled like the model, its weights count in the model's memory). Without "
+        "one, drafts come from prompt lookup")
 
 
 class LimitsSpec(_Spec):

@@ -80,6 +80,11 @@ class WorkerConfig(BaseModel):
     draft_tokens: int = Field(8, ge=1, le=32, description="the most draft tokens a sequence "
                               "sends in one step",
         json_schema_extra=_from("speculative.draft_tokens"))
+    draft_model: Optional[str] = Field(None, min_length=1, description="a smaller model "
+                                       "with the same tokenizer that drafts for every "
+                                       "sequence (builtin:NAME, a directory or a HF repo "
+                                       "id; its weights count in the model's memory)",
+        json_schema_extra=_from("speculative.draft_model"))
 
     max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
                             "no max_tokens (clipped to the context)",

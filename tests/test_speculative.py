@@ -242,3 +242,47 @@ def test_the_openai_sdk_sends_a_prediction_and_a_bad_one_is_a_400(start_worker):
         client.chat.completions.create(model="demo", messages=ask, max_tokens=4,
                                        prediction={"type": "text", "content": 3})
     assert e.value.body["param"] == "prediction"
+
+
+async def test_a_draft_model_drafts_for_rows_that_come_and_go_and_changes_no_token(always):
+    """``spec.speculative.draftModel``: the draft model keeps its own batched cache in
+    step with the rows (new ones prefilled while others decode, finished ones dropped,
+    each cut back to what the model accepted). A perfect draft (the model itself) is
+    accepted whole; another model's drafts are mostly rejected: both give the tokens of
+    plain decoding."""
+
+    async def run(e):
+        prompts = [chat(e, q) for q in QUESTIONS]
+        alone = [(await answer(e, p))["tokens"] for p in prompts[:2]]
+        first = [asyncio.create_task(answer(e, p, max_tokens=20 + 7 * i))
+                 for i, p in enumerate(prompts[:3])]
+        await asyncio.sleep(0.3)  # they are decoding: three more join the batch
+        later = [asyncio.create_task(answer(e, p, max_tokens=25)) for p in prompts[3:]]
+        return alone, [r["tokens"] for r in await asyncio.gather(*first, *later)]
+
+    off, on, stats = await both("builtin:demo", run, draft_model="builtin:demo")
+    assert on == off
+    assert stats["accepted_tokens"] == stats["draft_tokens"] > 50, stats
+
+    async def mixed(e):
+        prompts = [chat(e, q) for q in QUESTIONS[:3]]
+        return [r["tokens"] for r in await asyncio.gather(
+            answer(e, prompts[0], ignore_eos=True),
+            answer(e, prompts[1], temperature=1.0, seed=7, ignore_eos=True),
+            answer(e, prompts[2], repetition_penalty=1.3, ignore_eos=True),
+            answer(e, prompts[2], ignore_eos=True, max_tokens=9))]
+
+    off, on, stats = await both("builtin:tiny-10m", mixed, draft_model="builtin:tiny")
+    assert on == off
+    assert stats["accepted_tokens"] < stats["draft_tokens"], stats
+
+
+async def test_a_draft_model_with_another_tokenizer_is_refused_saying_why():
+    e = Engine(WorkerConfig(name="t", source="builtin:demo", speculative="auto",
+                            draft_model="builtin:tiny"))
+    e.start(asyncio.get_running_loop())
+    await e.wait_ready()
+    try:
+        assert e.state == "failed" and "another tokenizer" in e.error, e.error
+    finally:
+        await asyncio.to_thread(e.stop)

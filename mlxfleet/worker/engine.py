@@ -58,7 +58,7 @@ from .policy import AdmissionPolicy
 from .prompt_cache import PromptCache, compact
 from .prompts import template_style
 from .sampling import Samplers, SamplingParams, logits_processors
-from .speculative import Speculator, unsupported
+from .speculative import DraftModel, Speculator, unsupported
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -327,10 +327,32 @@ class Engine:
             self.paths["speculation"] = "off (spec.speculative.mode)"
         elif why := unsupported(self._model, cfg.sharded, self.vision is not None):
             self.paths["speculation"] = f"off: {why}"
+        elif cfg.draft_model:
+            self._speculator = Speculator(cfg.draft_tokens, self._load_draft(cfg.draft_model))
+            self.paths["speculation"] = (f"draft model {cfg.draft_model}, up to "
+                                         f"{cfg.draft_tokens} draft tokens per step when "
+                                         "it pays")
         else:
             self._speculator = Speculator(cfg.draft_tokens)
             self.paths["speculation"] = (f"prompt lookup, up to {cfg.draft_tokens} draft "
                                          "tokens per step when it pays")
+
+    def _load_draft(self, source: str) -> DraftModel:
+        """``spec.speculative.draftModel``: loaded like the model; it must read and write
+        the same tokens, and its cache must be cut back like the model's."""
+        from mlx_lm import load
+
+        from ..sources import resolve_source
+
+        model, tokenizer = load(str(resolve_source(source)))
+        if hasattr(model, "attach_tokenizer"):  # (builtin:scripted)
+            model.attach_tokenizer(tokenizer)
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"the draft model {source} has another tokenizer than "
+                             f"{self.source}: its drafts would be other tokens")
+        if why := unsupported(model, False, False):
+            raise ValueError(f"the draft model {source} cannot draft: {why}")
+        return DraftModel(model, self.vocab_size, self.config.prefill_step_size)
 
     def _prefill_batch(self) -> int:
         cfg = self.config
@@ -349,6 +371,7 @@ class Engine:
             stream=self._stream,
         )
         if self._speculator is not None:  # it takes the place of mlx-lm's decode step
+            self._speculator.reset()  # (the new batch numbers its sequences from 0 again)
             gb = self._bg._generation_batch
             gb.next = functools.partial(self._speculator.next, gb)
 

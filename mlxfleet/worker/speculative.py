@@ -41,6 +41,9 @@ NGRAM_MAX, NGRAM_MIN = 4, 2
 PRIOR_ACCEPT, ACCEPT_RATE = 0.5, 0.2
 #: Speculate only when the expected tokens per second beat a plain step by this much.
 MARGIN = 1.05
+#: How fast a row's acceptance estimate drifts back to the prior while it doesn't draft
+#: (a draft model has no free shadow drafts to judge).
+RECOVER = 0.02
 
 
 def unsupported(model: Any, sharded: bool, vision: bool) -> Optional[str]:
@@ -238,12 +241,20 @@ class Stats:
 class Speculator:
     """Drafts and verifies for one ``GenerationBatch`` (see the module docstring)."""
 
-    def __init__(self, max_draft: int) -> None:
+    def __init__(self, max_draft: int, draft: Optional[DraftModel] = None) -> None:
         self.max_draft = max_draft
+        self.draft = draft
         self.rows: dict[int, Row] = {}
         self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
         self.cost = StepCost()
         self.stats = Stats()
+
+    def reset(self) -> None:
+        """A new batch (its uids start again from 0): forget every row."""
+        self.rows.clear()
+        self.predictions.clear()
+        if self.draft is not None:
+            self.draft.reset()
 
     def predict(self, uid: int, tokens: list[int]) -> None:
         """The client's prediction of ``uid``'s output (OpenAI's ``prediction``)."""
@@ -298,6 +309,8 @@ class Speculator:
     def _plan(self, gb: Any, rows: list[Row]) -> Optional[list[list[int]]]:
         """Each row's draft for this step (some empty), or None for a plain step."""
         eligible = [_kind(gb, i) != PLAIN for i in range(len(rows))]
+        if self.draft is not None:
+            return self._plan_with_model(gb, rows, eligible)
         # Drafts found without the pending token (not read yet: reading it waits for the
         # step in flight); they cover that token too, so they are one longer.
         k = self.max_draft
@@ -313,13 +326,37 @@ class Speculator:
             return None
         return [d[:width] for d in drafts]
 
+    def _plan_with_model(self, gb: Any, rows: list[Row],
+                         eligible: list[bool]) -> Optional[list[list[int]]]:
+        """Drafts from the draft model (the client's prediction first, where it has
+        one), as wide as pays: the width is chosen before drafting, from each row's
+        acceptance so far."""
+        if not any(eligible):
+            return None
+        width = self._width(rows, [[0] * self.max_draft if ok else [] for ok in eligible])
+        if width == 0:  # drift back towards trying again
+            for row in rows:
+                if row.accept < PRIOR_ACCEPT:
+                    row.accept += RECOVER * (PRIOR_ACCEPT - row.accept)
+            return None
+        pending = gb._next_tokens.tolist()
+        drafted = self.draft.propose(gb.uids, [r.own.tokens for r in rows], pending, width)
+        drafts = []
+        for ok, row, y, d in zip(eligible, rows, pending, drafted):
+            tail = row.own.tokens[1 - NGRAM_MAX:] + [y]
+            p = row.predicted.follow(tail, width, own=False) if row.predicted else []
+            drafts.append((p or d) if ok else [])
+        return drafts
+
     def _width(self, rows: list[Row], drafts: list[list[int]]) -> int:
-        """The draft length that maximizes expected tokens per second (0: don't draft)."""
+        """The draft length that maximizes expected tokens per second (0: don't draft);
+        a draft model's passes count in the cost."""
         b = len(rows)
         best, best_rate = 0, b / self.cost(b) * MARGIN
         for k in range(1, max(len(d) for d in drafts) + 1):
             gain = sum(row.expected(min(k, len(d))) for row, d in zip(rows, drafts))
-            rate = (b + gain) / self.cost(b * (1 + k))
+            drafting = self.draft.seconds(b, k, self.cost) if self.draft else 0.0
+            rate = (b + gain) / (self.cost(b * (1 + k)) + drafting)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -420,16 +457,134 @@ class Speculator:
 
     @staticmethod
     def _cut_back(gb: Any, discard: list[int]) -> None:
-        """Drop each row's last ``discard[i]`` positions: the batch's write index goes
-        back by the least of them, the rest become left padding."""
+        cut_back(gb.prompt_cache, discard)
+
+
+def cut_back(caches: list, discard: list[int]) -> None:
+    """Drop each row's last ``discard[i]`` positions of batched KV ``caches``: the write
+    index goes back by the least of them, the rest become left padding."""
+    import mlx.core as mx
+
+    least = min(discard)
+    extra = [n - least for n in discard]
+    for c in caches:
+        if least:
+            c.trim(least)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
+    mx.eval([c.state for c in caches])
+
+
+class DraftModel:
+    """A smaller model with the target's tokenizer that drafts for every row at once,
+    greedily (a deterministic proposal: rejection sampling against it keeps a sampled
+    row's distribution exact).
+
+    It keeps its own batched KV cache, in step with the batch's rows: rows that left
+    are filtered out, rows that arrived are prefilled (left-padded, in one batch), and
+    each row's positions past what the target accepted are cut back, like the target's
+    (``cut_back``). Rows the last steps did not draft for fall behind; each step first
+    feeds every row the tokens it misses (the same number for all: a row missing fewer
+    is cut back further and fed again)."""
+
+    def __init__(self, model: Any, vocab: int, prefill_step: int = 512) -> None:
+        self.model = model
+        self.vocab = vocab
+        self.prefill_step = prefill_step
+        self.cost = StepCost()  # one draft pass: seconds against rows
+        self.reset()
+
+    def reset(self) -> None:
+        self.uids: list[int] = []
+        self.cache: Optional[list] = None
+        # per row: how many of its tokens the cache holds as confirmed, then the draft
+        # tokens fed after them (confirmed or not by the target since)
+        self.confirmed: list[int] = []
+        self.fed: list[list[int]] = []
+
+    def seconds(self, rows: int, k: int, target: StepCost) -> float:
+        """Expected seconds to draft ``k`` tokens for ``rows`` rows."""
+        per_pass = self.cost(rows) if self.cost.samples >= 4 else 0.1 * target(rows)
+        return k * per_pass
+
+    def propose(self, uids: list[int], tokens: list[list[int]], pending: list[int],
+                k: int) -> list[list[int]]:
+        """``k`` draft tokens for each row: ``tokens[i] + [pending[i]]`` is row ``i``'s
+        sequence so far."""
         import mlx.core as mx
 
-        least = min(discard)
-        extra = [n - least for n in discard]
-        for c in gb.prompt_cache:
-            if least:
-                c.trim(least)
-            if any(extra):
-                c.prepare(right_padding=extra)
-                c.finalize()
-        mx.eval([c.state for c in gb.prompt_cache])
+        t0 = time.perf_counter()
+        seqs = [list(t) + [y] for t, y in zip(tokens, pending)]
+        self._sync(uids, seqs)
+        valid = [c + _common(f, s[c:]) for c, f, s in zip(self.confirmed, self.fed, seqs)]
+        held = [c + len(f) for c, f in zip(self.confirmed, self.fed)]
+        gaps = [len(s) - v for s, v in zip(seqs, valid)]
+        m = max(gaps)
+        if any(v - (m - g) < 0 for v, g in zip(valid, gaps)):  # (a very short row)
+            self.reset()
+            return self.propose(uids, tokens, pending, k)
+        cut_back(self.cache, [h - v + m - g for h, v, g in zip(held, valid, gaps)])
+        x = mx.array([s[-m:] for s in seqs], dtype=mx.uint32)
+        out = []
+        for _ in range(k):
+            logits = self.model(x, cache=self.cache)[:, -1, :self.vocab]
+            x = mx.argmax(logits, axis=-1)[:, None].astype(mx.uint32)
+            out.append(x)
+        drafts = mx.concatenate(out, axis=1).tolist()
+        self.confirmed = [len(s) for s in seqs]
+        self.fed = [d[:-1] for d in drafts]  # the last draft token is not in the cache
+        self.cost.add(len(seqs), (time.perf_counter() - t0) / k)
+        return drafts
+
+    def _sync(self, uids: list[int], seqs: list[list[int]]) -> None:
+        """Make the cache's rows ``uids``: drop the rows that left; prefill the new ones
+        (all but their last token), which mlx-lm appends at the end."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache
+
+        if uids == self.uids:
+            return
+        at = {u: i for i, u in enumerate(self.uids)}
+        staying = [u for u in uids if u in at]
+        if staying != uids[:len(staying)] or [at[u] for u in staying] != sorted(
+                at[u] for u in staying):
+            self.reset()  # reordered: start again
+            staying, at = [], {}
+        keep = [at[u] for u in staying]
+        if self.cache is not None and len(keep) < len(self.uids):
+            if keep:
+                for c in self.cache:
+                    c.filter(keep)
+                self.confirmed = [self.confirmed[i] for i in keep]
+                self.fed = [self.fed[i] for i in keep]
+            else:
+                self.reset()
+        new = seqs[len(staying):]
+        if new:
+            prompts = [s[:-1] for s in new]
+            longest = max(len(p) for p in prompts)
+            pads = [longest - len(p) for p in prompts]
+            caches = [BatchKVCache(pads) for _ in self.model.layers]
+            x = mx.array([[0] * n + p for n, p in zip(pads, prompts)], dtype=mx.uint32)
+            for i in range(0, longest, self.prefill_step):
+                self.model(x[:, i:i + self.prefill_step], cache=caches)
+                mx.eval([c.state for c in caches])
+            if self.cache is None:
+                self.cache = caches
+            else:
+                for c, more in zip(self.cache, caches):
+                    c.extend(more)
+            self.confirmed += [len(p) for p in prompts]
+            self.fed += [[] for _ in prompts]
+        self.uids = list(uids)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
