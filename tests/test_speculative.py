@@ -155,10 +155,12 @@ async def test_a_prediction_drafts_the_answer_and_the_answer_stays_the_models():
     assert stats["accepted_tokens"] >= len(on[0]) // 2, stats  # the prediction was used
 
 
+@pytest.mark.parametrize("draft", [None, "builtin:scripted"])
 async def test_sampled_rows_draft_and_keep_what_the_model_says(always, monkeypatch,
-                                                                 tmp_path):
+                                                                 tmp_path, draft):
     """The scripted model puts all its probability on the script's next token: sampled
-    at temperature 1, every accepted draft token must still be the script's."""
+    at temperature 1, every accepted draft token must still be the script's (drafts
+    by prompt lookup, or by a draft model)."""
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"rules": [{"when": "Repeat: (?P<t>[^<]*)<",
                                              "say": "\\g<t>"}]}))
@@ -170,7 +172,8 @@ async def test_sampled_rows_draft_and_keep_what_the_model_says(always, monkeypat
                                              temperature=1.0, top_p=0.9) for i in range(3)))
         return [o["text"] for o in outs]
 
-    off, on, stats = await both("builtin:scripted", run)
+    off, on, stats = await both("builtin:scripted", run,
+                                **({"draft_model": draft} if draft else {}))
     assert off == [f"{text}{i}" for i in range(3)], off
     assert on == off
     assert stats["accepted_tokens"] >= 40, stats
@@ -219,6 +222,19 @@ def test_a_row_that_stops_paying_stops_drafting_and_resumes_when_shadow_drafts_h
         row.shadow = [9] + [4] * 8
     assert row.accept > 0.9
     assert spec._width([row], [[4] * 8]) == 8  # nine tokens for 2.4 steps' time
+
+
+def test_a_worker_with_a_draft_model_serves_the_openai_sdk_and_says_so(start_worker):
+    w = start_worker("--speculative", "auto", "--draft-model", "builtin:tiny",
+                     source="builtin:tiny-10m", name="tiny")
+    assert w.status()["paths"]["speculation"].startswith("draft model builtin:tiny")
+    import openai
+
+    r = openai.OpenAI(base_url=w.base_url + "/v1", api_key="unused").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 30
+    assert w.status()["speculation"]["draft_tokens"] > 0
 
 
 def test_the_openai_sdk_sends_a_prediction_and_a_bad_one_is_a_400(start_worker):

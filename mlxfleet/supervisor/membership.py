@@ -40,14 +40,14 @@ class FleetMembership:
     async def _measure(self, desired: dict[str, LoadedManifest]) -> None:
         """This node's memory estimate of every model (weights it can see on disk, KV
         budget, worker overhead), reported to the other nodes."""
-        from ..sources import weight_bytes
+        from .memory import spec_weight_bytes
         from .worker_config import worker_config
 
         def measure() -> dict[str, int]:
             out = {}
             for name, lm in desired.items():
                 spec = lm.manifest.spec
-                w = weight_bytes(spec.source, spec.revision) or 0
+                w = spec_weight_bytes(spec) or 0
                 out[name] = (w + worker_config(lm.manifest, self.settings).cache_bytes
                              + (self.settings.worker_overhead_mb << 20))
             return out

@@ -16,6 +16,23 @@ from .scheduler import Candidate
 from .worker_config import worker_config
 
 
+def spec_weight_bytes(spec) -> Optional[int]:
+    """A model's weights on disk (None while unknown), with its draft model's."""
+    from ..sources import weight_bytes
+
+    w = weight_bytes(spec.source, spec.revision)
+    draft = spec.speculative.draft_model
+    return w + (weight_bytes(draft) or 0) if w is not None and draft else w
+
+
+def spec_sources(spec) -> list[tuple[str, Optional[str]]]:
+    """The checkpoints a model's worker loads: its own, and its draft model's."""
+    out = [(spec.source, spec.revision)]
+    if spec.speculative.draft_model:
+        out.append((spec.speculative.draft_model, None))
+    return out
+
+
 class MemoryAccount:
     """Mixed into ModelRuntime, whose fields it reads."""
 

@@ -534,14 +534,22 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         """Weights not on disk are pulled through the store (``Supervisor._fetch`` may
         have started it), never by the worker; False when the pull failed (a failed
         start) or a change came first."""
-        from ..store import PullError, needs_pull
+        from ..store import needs_pull
+        from .memory import spec_sources
 
-        spec = self.manifest.spec
-        pull = self.pull()
-        if pull is None:
-            if not await asyncio.to_thread(needs_pull, spec.source, spec.revision):
-                return True
-            pull = self.sup.pulls.start(spec.source, spec.revision)
+        for source, revision in spec_sources(self.manifest.spec):  # (a draft model too)
+            pull = self.sup.pulls.active.get((source, revision))
+            if pull is None:
+                if not await asyncio.to_thread(needs_pull, source, revision):
+                    continue
+                pull = self.sup.pulls.start(source, revision)
+            if not await self._wait_pull(pull):
+                return False
+        return True
+
+    async def _wait_pull(self, pull: Any) -> bool:
+        from ..store import PullError
+
         self.set_condition("Ready", False, "Pulling", f"pulling {pull.source}")
         done = asyncio.ensure_future(pull.wait())
         woken = asyncio.ensure_future(self._wake.wait())
@@ -559,10 +567,9 @@ class ModelRuntime(StatusRecord, MemoryAccount):
         return True
 
     async def _measure_weights(self) -> None:
-        from ..sources import weight_bytes
+        from .memory import spec_weight_bytes
 
-        self.weight_bytes = await asyncio.to_thread(weight_bytes, self.manifest.spec.source,
-                                                    self.manifest.spec.revision)
+        self.weight_bytes = await asyncio.to_thread(spec_weight_bytes, self.manifest.spec)
 
     async def _failed_start(self, w: Optional[WorkerHandle], why: str) -> None:
         """A start that failed: its worker (None: it failed before one was spawned, as a

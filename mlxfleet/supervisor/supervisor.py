@@ -341,18 +341,19 @@ class Supervisor(FleetMembership):
         """A model whose weights are not on this machine is pulled as soon as its manifest
         is there, loaded or not; its workers wait for the pull rather than download."""
         from ..store import PullError, needs_pull
+        from .memory import spec_sources
 
-        spec = rt.manifest.spec
-        if not await asyncio.to_thread(needs_pull, spec.source, spec.revision):
-            return
-        pull = self.pulls.start(spec.source, spec.revision)
-        rt.event("Normal", "Pulling", f"pulling {spec.source} onto this machine")
-        try:
-            await pull.wait()
-        except PullError as e:
-            rt.event("Warning", "PullFailed", str(e))
-            return
-        rt.event("Normal", "Pulled", f"{spec.source} is on disk")
+        for source, revision in spec_sources(rt.manifest.spec):  # (a draft model too)
+            if not await asyncio.to_thread(needs_pull, source, revision):
+                continue
+            pull = self.pulls.start(source, revision)
+            rt.event("Normal", "Pulling", f"pulling {source} onto this machine")
+            try:
+                await pull.wait()
+            except PullError as e:
+                rt.event("Warning", "PullFailed", str(e))
+                return
+            rt.event("Normal", "Pulled", f"{source} is on disk")
 
     async def _preload(self, rt: ModelRuntime) -> None:
         try:
