@@ -13,10 +13,11 @@ drafts perfectly. Two workloads:
   the code with the rename (what a coding agent's edit looks like).
 - **chat**: a question whose answer is prose the prompt does not contain.
 
-mlx_lm.server's draft mode gets a draft model with the same script (its drafts are
-always right: its best case) and a fifth of the ballast. It decodes one request at a
-time (it turns batching off with a draft model). Each server answers every workload
-at each stream count; the acceptance rate is our worker's (its ``/v1/status``).
+mlx_lm.server's draft mode, and mlxfleet's (``--draft-model``), get a draft model with
+the same script (its drafts are always right: the best case) and a fifth of the
+ballast. mlx_lm.server decodes one request at a time with a draft model (it turns
+batching off). Each server answers every workload at each stream count; the
+acceptance rates are our workers' (their ``/v1/status``).
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ def main() -> None:
                        everything)
     servers = {"mlx_lm.server": [], "mlx_lm.server + draft": ["--draft-model", str(draft),
                                                               "--num-draft-tokens", "4"]}
-    workers = {"mlxfleet, speculation off": "off", "mlxfleet": "auto"}
+    workers = {"mlxfleet, speculation off": ["--speculative", "off"],
+               "mlxfleet": ["--speculative", "auto"],
+               "mlxfleet + draft": ["--speculative", "auto", "--draft-model", str(draft)]}
+    counted = ("mlxfleet", "mlxfleet + draft")  # (their acceptance is reported)
     procs, urls = [], {}
     try:
         for name, extra in servers.items():
@@ -179,14 +183,13 @@ def main() -> None:
                                "--decode-concurrency", str(n), "--prompt-concurrency", "8",
                                *extra], tmp / f"{name}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
-        for name, mode in workers.items():
+        for i, (name, extra) in enumerate(workers.items()):
             port = free_port()
             procs.append(Proc([PY, "-m", "mlxfleet", "worker", "--source", str(target),
                                "--name", "bench", "--bind", f"127.0.0.1:{port}",
                                "--max-concurrency", str(n), "--max-request-tokens", "4096",
-                               "--cache-mb", "2048", "--speculative", mode,
-                               "--draft-tokens", str(args.draft_tokens)],
-                              tmp / f"worker-{mode}.log"))
+                               "--cache-mb", "2048", "--draft-tokens", str(args.draft_tokens),
+                               *extra], tmp / f"worker-{i}.log"))
             urls[name] = f"http://127.0.0.1:{port}"
         for name, url in urls.items():
             wait_http(url + ("/health" if name.startswith("mlxfleet") else "/v1/models"))
@@ -197,16 +200,16 @@ def main() -> None:
             for s in args.streams:
                 row = {}
                 for name, url in urls.items():
-                    before = spec_stats(url) if name == "mlxfleet" else {}
+                    before = spec_stats(url) if name in counted else {}
                     row[name] = asyncio.run(round_of(url, model[name], pairs[:s]))
-                    if name == "mlxfleet":
+                    if name in counted:
                         after = spec_stats(url)
                         drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
                         got = after["accepted_tokens"] - before.get("accepted_tokens", 0)
                         row[name]["acceptance"] = got / drafted if drafted else None
                 results["rounds"][f"{kind} x{s}"] = row
                 print(kind, s, {k: round(v["tokens_per_s"], 1) for k, v in row.items()},
-                      "acceptance", row["mlxfleet"]["acceptance"], flush=True)
+                      "acceptance", [row[c]["acceptance"] for c in counted], flush=True)
         for name in ("mlx_lm.server", "mlxfleet"):
             results["lone_ms"][name] = lone_ms(urls[name], model[name])
     finally:
@@ -224,14 +227,20 @@ def cell(result: dict) -> str:
 def render(r: dict, args) -> str:
     names = list(next(iter(r["rounds"].values())))
     lines = ["| workload x streams | " + " | ".join(names) +
-             " | mlxfleet / mlx_lm.server | acceptance |",
-             "|---" * (len(names) + 3) + "|"]
+             " | mlxfleet / mlx_lm.server | + draft / mlx_lm.server | acceptance "
+             "(lookup / draft model) |",
+             "|---" * (len(names) + 4) + "|"]
+
+    def acc(a):
+        return f"{a:.0%}" if a is not None else "no drafts"
+
     for key, row in r["rounds"].items():
         base = row["mlx_lm.server"]["tokens_per_s"]
-        acc = row["mlxfleet"]["acceptance"]
         lines.append(f"| {key} | " + " | ".join(cell(row[n]) for n in names)
-                     + f" | {row['mlxfleet']['tokens_per_s'] / base:.2f}x | "
-                     + (f"{acc:.0%}" if acc is not None else "no drafts") + " |")
+                     + f" | {row['mlxfleet']['tokens_per_s'] / base:.2f}x"
+                     + f" | {row['mlxfleet + draft']['tokens_per_s'] / base:.2f}x | "
+                     + f"{acc(row['mlxfleet']['acceptance'])} / "
+                     + f"{acc(row['mlxfleet + draft']['acceptance'])} |")
     lone = r["lone_ms"]
     lines.append("")
     lines.append(f"Lone 1-token request (median of 20): mlx_lm.server "
