@@ -54,8 +54,8 @@ def _add_worker(sub) -> None:
             p.add_argument(row.flag, action="store_true", default=None, dest=row.field,
                            help=row.help)
         elif isinstance(row.type, tuple):
-            p.add_argument(row.flag, choices=row.type, default=None, dest=row.field,
-                           help=row.help + shown)
+            p.add_argument(row.flag, choices=row.type, type=type(row.type[0]), default=None,
+                           dest=row.field, help=row.help + shown)
         else:
             p.add_argument(row.flag, type=row.type, default=None, dest=row.field,
                            help=row.help + shown)

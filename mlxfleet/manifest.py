@@ -82,6 +82,11 @@ class CacheSpec(_Spec):
                                    "tier for the prompt cache: evicted entries, and all of "
                                    "them when the model unloads, kept under the state dir "
                                    "and read back by the next worker of the same checkpoint")
+    kv_bits: Optional[Literal[4, 8]] = Field(
+        default=None, alias="kvBits", description="keep keys and values quantized to 4 or "
+        "8 bits (mlx-lm's quantized KV cache): about 3.6x (4) or 1.9x (8) less KV memory "
+        "per token, so more sequences and longer prompts fit the budget; models whose "
+        "caches are not all plain key/value ones keep full precision (see paths.kv_cache)")
     warm_prompts: Union[
         Annotated[list[Annotated[list[WarmMessage], Field(min_length=1, max_length=256)]],
                   Field(max_length=64)],

@@ -68,6 +68,10 @@ class WorkerConfig(BaseModel):
     warm_prompts: list[list[dict]] = Field(default_factory=list, description="conversations "
                                            "prefilled into the prompt cache at load",
         json_schema_extra=_from(flag=None))
+    kv_bits: Optional[Literal[4, 8]] = Field(None, description="keys and values kept "
+                                             "quantized to this many bits (none: full "
+                                             "precision)",
+        json_schema_extra=_from("cache.kv_bits"))
     paged_cache: bool = Field(False, description="retain prompts as shared 64-token KV blocks "
                               "(the block prefix cache) rather than whole",
         json_schema_extra=_from("cache.paged", "use_paged_cache", "--use-paged-cache"))

@@ -18,6 +18,7 @@ template: ``HARMONY_TEMPLATE`` is written from OpenAI's published harmony format
 # ruff: noqa: E501  (the harmony template is written as its lines render)
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -182,10 +183,17 @@ def _digest(fam: Family, tok_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def build(name: str, out_root: Path, tokenizers: Optional[Path] = None) -> Path:
+def build(name: str, out_root: Path, tokenizers: Optional[Path] = None,
+          head_dim: Optional[int] = None) -> Path:
     """Write family ``name``'s checkpoint under ``out_root`` (once: reused while the
-    family's definition and tokenizer are unchanged). Returns its directory."""
+    family's definition and tokenizer are unchanged). Returns its directory.
+    ``head_dim``: wider heads where the family has that setting (KV quantization needs
+    widths that are multiples of 32)."""
     fam = FAMILIES[name]
+    if head_dim:  # (MLA caches a latent and the rotary part: both widened)
+        wider = {k: head_dim for k in ("head_dim", "kv_lora_rank", "qk_rope_head_dim")
+                 if k in fam.config}
+        fam = dataclasses.replace(fam, config={**fam.config, **wider})
     tok_dir = (tokenizers or tokenizer_root()) / f"tokenizer-{fam.tokenizer}" / "models"
     if not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{tok_dir} has no tokenizer.json: install the zoo's "

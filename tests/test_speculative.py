@@ -302,3 +302,18 @@ async def test_a_draft_model_with_another_tokenizer_is_refused_saying_why():
         assert e.state == "failed" and "another tokenizer" in e.error, e.error
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_drafts_over_a_quantized_kv_cache_change_no_token(always):
+    """``kvBits`` and speculation together: the quantized batch cache is cut back per row
+    like the plain one."""
+    async def run(e):
+        assert e.paths["kv_cache"].startswith("quantized to 4 bits"), e.paths
+        prompts = [chat(e, q) for q in QUESTIONS[:4]]
+        return [r["tokens"] for r in await asyncio.gather(
+            *(answer(e, p, max_tokens=9 + 5 * i, ignore_eos=True)
+              for i, p in enumerate(prompts)))]
+
+    off, on, stats = await both("builtin:tiny-10m", run, kv_bits=4)
+    assert on == off
+    assert stats["accepted_tokens"] > 20, stats

@@ -348,3 +348,53 @@ def test_harmony_reasoning_calls_and_answers_reach_clients_and_the_choice_is_sho
         assert "Parsers:       tool calls harmony, reasoning harmony" in out.stdout, out
     finally:
         f.stop()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_with_a_quantized_kv_cache_gives_mlx_lm_quantized_tokens(
+        family, zoo_root, start_worker, tmp_path):
+    """``spec.cache.kvBits: 4``: the batch quantizes keys and values as mlx-lm's
+    ``QuantizedKVCache`` does for one prompt alone (the reference), through prompt-cache
+    hits, a batch of prompts of different lengths, and the disk tier; families whose
+    caches are not all plain key/value ones keep full precision and say so."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlxfleet.worker.quantized_cache import group_size_for
+
+    path = build(family, zoo_root, head_dim=32)  # (quantization groups are 32 or more)
+    model, tok, alone = reference(str(path))
+    disk = {"kv_bits": 4, "disk_cache_bytes": 1 << 30, "disk_cache_dir": str(tmp_path)}
+    w = start(start_worker, path, config=disk)
+    paths = w.status()["paths"]
+    if not kv_only(path) or model.args.model_type == "deepseek_v3":
+        assert paths["kv_cache"].startswith("full precision: "), paths
+        body = chat(w, HELLO)
+        assert body["choices"][0]["token_ids"] == alone(tuple(body["prompt_token_ids"]))
+        return
+    group = group_size_for(model)
+    assert paths["kv_cache"] == f"quantized to 4 bits (groups of {group})", paths
+
+    def quantized(prompt) -> list[int]:
+        cache = [QuantizedKVCache(group, 4) for _ in model.layers]
+        steps = generate_step(mx.array(prompt), model, max_tokens=N, prompt_cache=cache,
+                              sampler=lambda x: mx.argmax(x, axis=-1))
+        return [int(t) for t, _ in steps]
+
+    first = chat(w, HELLO)
+    prompt = first["prompt_token_ids"]
+    assert first["choices"][0]["token_ids"] == quantized(prompt), "alone"
+    again = chat(w, HELLO)
+    assert again["choices"][0]["token_ids"] == quantized(prompt) and cached(again) >= 32
+    prompts = batch_prompts(tok)
+    together = in_parallel(lambda p: complete(w, p), [(p,) for p in prompts])
+    assert [b["choices"][0]["token_ids"] for b in together] == [quantized(p) for p in prompts]
+    from mlxfleet.worker.model_facts import kv_cost
+
+    full = kv_cost(model).per_token
+    assert paths["kv"]["bytes_per_token"] < full / 2.5  # what the budget admits by
+    w.stop()
+    w = start(start_worker, path, config=disk)  # the disk tier: read back quantized
+    back = chat(w, HELLO)
+    assert back["choices"][0]["token_ids"] == quantized(prompt) and cached(back) >= 32
+    w.stop()

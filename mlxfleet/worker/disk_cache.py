@@ -25,9 +25,11 @@ log = logging.getLogger("mlxfleet.engine")
 TOKENS = "0.mlxfleet_tokens"  # where the key sits in the file's metadata (mlx-lm flattens)
 
 
-def identity(source: str, revision: Optional[str]) -> str:
-    """The checkpoint's folder name: entries from another checkpoint never load."""
-    return hashlib.sha256(f"{source}\0{revision or ''}".encode()).hexdigest()[:16]
+def identity(source: str, revision: Optional[str], kv_bits: Optional[int] = None) -> str:
+    """The checkpoint's folder name: entries from another checkpoint (or quantized to
+    other bits) never load."""
+    key = f"{source}\0{revision or ''}" + (f"\0kv{kv_bits}" if kv_bits else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class DiskTier:
@@ -60,11 +62,14 @@ class DiskTier:
         """Keep ``cache`` for ``tokens``; returns the keys dropped to stay in budget."""
         from mlx_lm.models.cache import save_prompt_cache
 
+        from .quantized_cache import portable
+
         name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
         path = self.dir / f"{name}.safetensors"
         tmp = self.dir / f"{name}.tmp.safetensors"
         try:
-            save_prompt_cache(str(tmp), cache, {"mlxfleet_tokens": json.dumps(list(tokens))})
+            save_prompt_cache(str(tmp), portable(cache),
+                              {"mlxfleet_tokens": json.dumps(list(tokens))})
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - a full disk must not stop the engine
             log.warning("prompt cache: could not write %s: %s", path.name, e)
@@ -79,11 +84,14 @@ class DiskTier:
         """The cache stored for ``tokens``, or None (a bad file is dropped)."""
         from mlx_lm.models.cache import load_prompt_cache
 
+        from .quantized_cache import batchable
+
         path = self.files.get(tokens)
         if path is None:
             return None
         try:
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            cache = batchable(cache)
             if tuple(json.loads(meta["mlxfleet_tokens"])) != tokens:
                 raise ValueError("its key does not match its name")
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, another format

@@ -277,6 +277,7 @@ class Engine:
                               or (config.get("text_config") or {}).get("vocab_size")
                               or len(tokenizer))
         self._stream = mx.default_stream(mx.default_device())
+        self._quantize_kv()
         self._describe_paths(config)
         # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
         # model. Bound it by the KV budget so the worker's memory stays predictable.
@@ -294,6 +295,36 @@ class Engine:
         self.load_seconds = time.monotonic() - t0
         log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
                  self.load_seconds, self.context_length)
+
+    def _quantize_kv(self) -> None:
+        """``spec.cache.kvBits``: the model's caches become quantized ones where every
+        layer's is a plain key/value cache (``quantized_cache.py``)."""
+        from .quantized_cache import group_size_for, quantize_kv, reads_quantized
+
+        bits, self._kv_bits = self.config.kv_bits, None
+        kinds = cache_kinds(self._model)
+        if not bits:
+            self._kv_note = "full precision"
+            return
+        group = None
+        if self.config.sharded:
+            why = "a sharded model keeps full-precision caches"
+        elif self.vision is not None:
+            why = "vision models keep full-precision caches"
+        elif kinds != ["KVCache"]:
+            why = f"mlx-lm has no quantized version of its caches ({', '.join(kinds)})"
+        elif (group := group_size_for(self._model)) is None:
+            why = "its key and value widths are not multiples of 32"
+        elif not reads_quantized(self._model, bits, group):
+            why = "its attention (in mlx-lm) does not read quantized caches"
+        else:
+            why = None
+        if why:
+            self._kv_note = f"full precision: {why}"
+            return
+        quantize_kv(self._model, bits, group)
+        self._kv_bits = bits
+        self._kv_note = f"quantized to {bits} bits (groups of {group})"
 
     def _describe_paths(self, config: dict) -> None:
         """Which exact path this architecture takes where the fast one would be wrong
@@ -318,6 +349,7 @@ class Engine:
             "model_type": model_type, "caches": kinds, "parsers": self.parsers.as_dict(),
             "prefill": "one prompt at a time: padding would run through the recurrent "
                        "state" if self._prefill_alone else "batched",
+            "kv_cache": self._kv_note,
             "prefix_reuse": "prompt ends: a cache with recurrent state or a sliding "
                             "window cannot be cut back to any prefix" if self._snapshots
                             else "any prefix",
@@ -424,7 +456,8 @@ class Engine:
 
             from .disk_cache import DiskTier, identity
 
-            disk = DiskTier(Path(cfg.disk_cache_dir), identity(cfg.source, cfg.revision),
+            disk = DiskTier(Path(cfg.disk_cache_dir),
+                            identity(cfg.source, cfg.revision, self._kv_bits),
                             cfg.disk_cache_bytes)
             log.info("prompt cache disk tier: %d entries in %s", len(disk.files), disk.dir)
         return PromptCache(cfg.cache_bytes, disk)

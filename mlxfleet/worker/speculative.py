@@ -55,7 +55,7 @@ def unsupported(model: Any, sharded: bool, vision: bool) -> Optional[str]:
     if vision:
         return "vision models decode one token per step"
     kinds = cache_kinds(model)
-    if kinds != ["KVCache"]:
+    if kinds not in (["KVCache"], ["QuantizedCache"]):
         return (f"its caches ({', '.join(kinds)}) cannot be cut back to a row's accepted "
                 "length")
     return None
