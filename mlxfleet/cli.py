@@ -508,6 +508,8 @@ def _run_describe(args) -> int:
               f"{p.get('reasoning') or '-'} (from the {p.get('source')})")
         print(f"Exact paths:   prefill {paths.get('prefill')}; prefix reuse "
               f"{paths.get('prefix_reuse')}")
+        print(f"KV cache:      {paths.get('kv_cache') or '-'}; speculation "
+              f"{paths.get('speculation') or '-'}")
     pull = m.get("pull")
     if pull:
         total = pull["totalBytes"]
