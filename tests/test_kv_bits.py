@@ -4,6 +4,7 @@ at once. (Exactness on every family and the disk tier: tests/test_zoo.py.)"""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -34,7 +35,8 @@ def most_running(w, work) -> int:
     return peak[0]
 
 
-def test_a_quantized_kv_cache_answers_as_mlx_lm_and_fits_more_sequences(start_worker):
+def test_a_quantized_kv_cache_answers_as_mlx_lm_and_fits_more_sequences(start_worker,
+                                                                        tmp_path):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import QuantizedKVCache
@@ -43,13 +45,16 @@ def test_a_quantized_kv_cache_answers_as_mlx_lm_and_fits_more_sequences(start_wo
 
     budget = ("--cache-mb", "2", "--max-concurrency", "8")
     full = start_worker(*budget, source="builtin:tiny-10m")
-    quantized = start_worker(*budget, "--kv-bits", "4", source="builtin:tiny-10m")
+    disk = json.dumps({"source": "builtin:tiny-10m", "disk_cache_bytes": 1 << 30,
+                       "disk_cache_dir": str(tmp_path)})
+    quantized = start_worker(*budget, "--kv-bits", "4", "--config", disk,
+                             source="builtin:tiny-10m")
     paths = quantized.status()["paths"]
     assert paths["kv_cache"] == "quantized to 4 bits (groups of 64)"
     assert full.status()["paths"]["kv_cache"] == "full precision"
     assert paths["kv"]["bytes_per_token"] * 6 < full.status()["paths"]["kv"]["bytes_per_token"]
 
-    ask = [{"role": "user", "content": "Tell me a story about a river."}]
+    ask = [{"role": "user", "content": "Tell me a story about a river. " * 6}]
     client = openai.OpenAI(base_url=quantized.base_url + "/v1", api_key="unused")
     r = client.chat.completions.create(model="tiny", messages=ask, max_tokens=20,
                                        temperature=0, extra_body={"ignore_eos": True,
@@ -59,7 +64,8 @@ def test_a_quantized_kv_cache_answers_as_mlx_lm_and_fits_more_sequences(start_wo
     cache = [QuantizedKVCache(64, 4) for _ in model.layers]
     steps = generate_step(mx.array(prompt), model, max_tokens=20, prompt_cache=cache,
                           sampler=lambda x: mx.argmax(x, axis=-1))
-    assert r.choices[0].token_ids == [int(t) for t, _ in steps]
+    expected = [int(t) for t, _ in steps]
+    assert r.choices[0].token_ids == expected
 
     def eight(w):
         c = openai.OpenAI(base_url=w.base_url + "/v1", api_key="unused", max_retries=0)
@@ -70,6 +76,17 @@ def test_a_quantized_kv_cache_answers_as_mlx_lm_and_fits_more_sequences(start_wo
     # 2 MB of KV: about two such sequences at full precision, all eight at 4 bits
     assert most_running(full, lambda: eight(full)) <= 3
     assert most_running(quantized, lambda: eight(quantized)) >= 6
+
+    # The disk tier gives the next worker the quantized prompt cache back.
+    quantized.stop()
+    again = start_worker(*budget, "--kv-bits", "4", "--config", disk,
+                         source="builtin:tiny-10m")
+    client = openai.OpenAI(base_url=again.base_url + "/v1", api_key="unused")
+    r = client.chat.completions.create(model="tiny", messages=ask, max_tokens=20,
+                                       temperature=0, extra_body={"ignore_eos": True,
+                                                                  "return_token_ids": True})
+    assert r.choices[0].token_ids == expected
+    assert r.usage.prompt_tokens_details.cached_tokens >= 32
 
 
 @pytest.mark.parametrize("bits, ok", [(4, True), (8, True), (5, False), ("4", False)])

@@ -157,7 +157,7 @@ def test_the_timeout_cuts_a_stalled_stream_not_a_producing_one(secured):
 def test_status_shows_a_running_request_in_its_phase(secured):
     h = {**auth(), "X-Request-Id": "trace-me-42"}
     httpx.post(secured.url + "/mlxfleet/v1/models/slow/load", headers=h, timeout=120)
-    seen = {}
+    seen, done = {}, threading.Event()
 
     def stream():
         with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=h, timeout=60,
@@ -165,7 +165,8 @@ def test_status_shows_a_running_request_in_its_phase(secured):
                                 "stream": True}) as r:
             seen["id"] = r.headers.get("X-Request-Id")
             for _ in r.iter_lines():
-                pass
+                if done.is_set():
+                    break  # seen running: hang up rather than wait for 1900 tokens
 
     t = threading.Thread(target=stream)
     t.start()
@@ -176,12 +177,14 @@ def test_status_shows_a_running_request_in_its_phase(secured):
         return next((q for q in reqs if q["phase"] == "generation"), None)
 
     q = wait_for(running, 10, 0.05)
+    done.set()
     t.join(60)
     assert q and q["request_id"] == "trace-me-42" and q["generated_tokens"] > 0
     assert q["max_tokens"] == 1900 and 0 < q["progress"] < 1 and q["ttft_s"] > 0
     assert seen["id"] == "trace-me-42"
-    logs = secured.cli("logs", "slow", "--tail", "200").stdout
-    assert "request trace-me-42:" in logs
+    # (logged when the worker hears of the hang-up, a moment later)
+    assert wait_for(lambda: "request trace-me-42:" in secured.cli(
+        "logs", "slow", "--tail", "200").stdout, 20, 0.5)
 
 
 def scrape(fleet: Fleet) -> dict:

@@ -297,29 +297,17 @@ class Engine:
                  self.load_seconds, self.context_length)
 
     def _quantize_kv(self) -> None:
-        """``spec.cache.kvBits``: the model's caches become quantized ones where every
-        layer's is a plain key/value cache (``quantized_cache.py``)."""
-        from .quantized_cache import group_size_for, quantize_kv, reads_quantized
+        """``spec.cache.kvBits``: the model's caches become quantized ones where it can
+        (``quantized_cache.py``); ``paths.kv_cache`` says which, or why not."""
+        from .quantized_cache import quantization_group, quantize_kv
 
         bits, self._kv_bits = self.config.kv_bits, None
-        kinds = cache_kinds(self._model)
         if not bits:
             self._kv_note = "full precision"
             return
-        group = None
-        if self.config.sharded:
-            why = "a sharded model keeps full-precision caches"
-        elif self.vision is not None:
-            why = "vision models keep full-precision caches"
-        elif kinds != ["KVCache"]:
-            why = f"mlx-lm has no quantized version of its caches ({', '.join(kinds)})"
-        elif (group := group_size_for(self._model)) is None:
-            why = "its key and value widths are not multiples of 32"
-        elif not reads_quantized(self._model, bits, group):
-            why = "its attention (in mlx-lm) does not read quantized caches"
-        else:
-            why = None
-        if why:
+        group, why = quantization_group(self._model, bits, self.config.sharded,
+                                        self.vision is not None)
+        if group is None:
             self._kv_note = f"full precision: {why}"
             return
         quantize_kv(self._model, bits, group)

@@ -179,6 +179,27 @@ def reads_quantized(model: Any, bits: int, group_size: int) -> bool:
     return True
 
 
+def quantization_group(model: Any, bits: int, sharded: bool = False,
+                       vision: bool = False) -> tuple[Optional[int], Optional[str]]:
+    """(the group size the model's caches quantize with, None) or (None, why they
+    cannot)."""
+    from .model_facts import cache_kinds
+
+    kinds = cache_kinds(model)
+    if sharded:
+        return None, "a sharded model keeps full-precision caches"
+    if vision:
+        return None, "vision models keep full-precision caches"
+    if kinds != ["KVCache"]:
+        return None, f"mlx-lm has no quantized version of its caches ({', '.join(kinds)})"
+    group = group_size_for(model)
+    if group is None:
+        return None, "its key and value widths are not multiples of 32"
+    if not reads_quantized(model, bits, group):
+        return None, "its attention (in mlx-lm) does not read quantized caches"
+    return group, None
+
+
 def quantize_kv(model: Any, bits: int, group_size: int) -> None:
     """From now on the model's caches are ``QuantizedCache``s of ``bits`` bits."""
     layers = len(model.layers)

@@ -41,9 +41,12 @@ NGRAM_MAX, NGRAM_MIN = 4, 2
 PRIOR_ACCEPT, ACCEPT_RATE = 0.5, 0.2
 #: Speculate only when the expected tokens per second beat a plain step by this much.
 MARGIN = 1.05
-#: How fast a row's acceptance estimate drifts back to the prior while it doesn't draft
-#: (a draft model has no free shadow drafts to judge).
-RECOVER = 0.02
+#: With a draft model, after this many steps without drafting one step drafts anyway
+#: (2 tokens), to measure again; the wait doubles after each probe, up to PROBE_MAX.
+#: (Its drafts cost a pass each: there are no free shadow drafts to judge.)
+PROBE_EVERY, PROBE_MAX = 16, 1024
+#: How fast the model-wide acceptance estimate (a new sequence's prior) moves.
+MODEL_ACCEPT_RATE = 0.05
 
 
 def unsupported(model: Any, sharded: bool, vision: bool) -> Optional[str]:
@@ -169,8 +172,7 @@ class Row:
     def learn(self, accepted: int, drafted: int) -> None:
         """Update the acceptance estimate from one verified draft: each position up to
         the first rejection is a trial."""
-        for i in range(min(drafted, accepted + 1)):
-            self.accept += ACCEPT_RATE * ((1.0 if i < accepted else 0.0) - self.accept)
+        self.accept = learn(self.accept, accepted, drafted, ACCEPT_RATE)
 
     def expected(self, k: int) -> float:
         """Tokens a k-token draft is expected to add."""
@@ -191,6 +193,14 @@ class Row:
             if self.shadow_hits == len(self.shadow):
                 self.learn(self.shadow_hits - 1, self.shadow_hits - 1)
                 self.shadow, self.shadow_hits = [], 0
+
+
+def learn(estimate: float, accepted: int, drafted: int, rate: float) -> float:
+    """An acceptance estimate after one verified draft (each position up to the first
+    rejection is a trial)."""
+    for i in range(min(drafted, accepted + 1)):
+        estimate += rate * ((1.0 if i < accepted else 0.0) - estimate)
+    return estimate
 
 
 class StepCost:
@@ -248,6 +258,8 @@ class Speculator:
         self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
         self.cost = StepCost()
         self.stats = Stats()
+        self.accept = PRIOR_ACCEPT  # over all sequences: a new one's prior (draft model)
+        self._idle, self._probe_every = 0, PROBE_EVERY
 
     def reset(self) -> None:
         """A new batch (its uids start again from 0): forget every row."""
@@ -303,6 +315,8 @@ class Speculator:
                 pred = self.predictions.get(uid)
                 row = self.rows[uid] = Row(Lookup(gb.tokens[i]),
                                            Lookup(pred) if pred else None)
+                if self.draft is not None:  # one draft model drafts for all alike
+                    row.accept = self.accept
             out.append(row)
         return out
 
@@ -334,11 +348,14 @@ class Speculator:
         if not any(eligible):
             return None
         width = self._width(rows, [[0] * self.max_draft if ok else [] for ok in eligible])
-        if width == 0:  # drift back towards trying again
-            for row in rows:
-                if row.accept < PRIOR_ACCEPT:
-                    row.accept += RECOVER * (PRIOR_ACCEPT - row.accept)
-            return None
+        if width:
+            self._idle, self._probe_every = 0, PROBE_EVERY
+        else:
+            self._idle += 1
+            if self._idle < self._probe_every:
+                return None
+            self._idle, self._probe_every = 0, min(PROBE_MAX, 2 * self._probe_every)
+            width = min(2, self.max_draft)  # a probe: is it worth drafting again?
         pending = gb._next_tokens.tolist()
         drafted = self.draft.propose(gb.uids, [r.own.tokens for r in rows], pending, width)
         drafts = []
@@ -415,6 +432,7 @@ class Speculator:
                 follow_lp = logprobs(i, accepted)
                 if d:
                     row.learn(accepted, len(d))
+                    self.accept = learn(self.accept, accepted, len(d), MODEL_ACCEPT_RATE)
                     self.stats.drafted += len(d)
                     self.stats.accepted += accepted
             emitted = [pending[i]] + d[:accepted]
