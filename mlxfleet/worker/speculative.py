@@ -161,13 +161,18 @@ class Row:
     def draft(self, k: int, pending: Optional[int] = None) -> list[int]:
         """Up to ``k`` tokens to follow the sequence (and ``pending``, its next token
         when known)."""
+        return self.from_prediction(k, pending) or self.own.follow(
+            self._tail(pending), k, pending)
+
+    def from_prediction(self, k: int, pending: Optional[int] = None) -> list[int]:
+        """Up to ``k`` tokens the client's prediction has after the sequence's end."""
+        if self.predicted is None:
+            return []
+        return self.predicted.follow(self._tail(pending), k, own=False)
+
+    def _tail(self, pending: Optional[int]) -> list[int]:
         toks = self.own.tokens
-        tail = toks[-NGRAM_MAX:] if pending is None else toks[1 - NGRAM_MAX:] + [pending]
-        if self.predicted is not None:
-            d = self.predicted.follow(tail, k, own=False)
-            if d:
-                return d
-        return self.own.follow(tail, k, pending)
+        return toks[-NGRAM_MAX:] if pending is None else toks[1 - NGRAM_MAX:] + [pending]
 
     def learn(self, accepted: int, drafted: int) -> None:
         """Update the acceptance estimate from one verified draft: each position up to
@@ -358,12 +363,8 @@ class Speculator:
             width = min(2, self.max_draft)  # a probe: is it worth drafting again?
         pending = gb._next_tokens.tolist()
         drafted = self.draft.propose(gb.uids, [r.own.tokens for r in rows], pending, width)
-        drafts = []
-        for ok, row, y, d in zip(eligible, rows, pending, drafted):
-            tail = row.own.tokens[1 - NGRAM_MAX:] + [y]
-            p = row.predicted.follow(tail, width, own=False) if row.predicted else []
-            drafts.append((p or d) if ok else [])
-        return drafts
+        return [(row.from_prediction(width, y) or d) if ok else []
+                for ok, row, y, d in zip(eligible, rows, pending, drafted)]
 
     def _width(self, rows: list[Row], drafts: list[list[int]]) -> int:
         """The draft length that maximizes expected tokens per second (0: don't draft);
@@ -458,7 +459,7 @@ class Speculator:
                 nxt[i], nxt_lp[i] = follow, follow_lp
             else:
                 responses[-1][-1].finish_reason = reason
-        self._cut_back(gb, [width - n for n in kept_len])
+        cut_back(gb.prompt_cache, [width - n for n in kept_len])
         for i, rs in enumerate(responses):
             if rs[-1].finish_reason is not None:
                 rs[-1].prompt_cache = gb.extract_cache(i)
@@ -472,10 +473,6 @@ class Speculator:
         if keep:
             mx.async_eval(gb._next_tokens, gb._next_logprobs)
         return [r for rs in responses for r in rs]
-
-    @staticmethod
-    def _cut_back(gb: Any, discard: list[int]) -> None:
-        cut_back(gb.prompt_cache, discard)
 
 
 def cut_back(caches: list, discard: list[int]) -> None:
@@ -533,29 +530,32 @@ class DraftModel:
         import mlx.core as mx
 
         t0 = time.perf_counter()
-        seqs = [list(t) + [y] for t, y in zip(tokens, pending)]
-        self._sync(uids, seqs)
-        valid = [c + _common(f, s[c:]) for c, f, s in zip(self.confirmed, self.fed, seqs)]
+        self._sync(uids, tokens)
+        # (only the few tokens past what the cache confirmed are compared: a row's whole
+        # sequence is never copied on this per-step path)
+        valid = [c + _common(f, (t[c:c + len(f)] + [y])[:len(f)])
+                 for c, f, t, y in zip(self.confirmed, self.fed, tokens, pending)]
         held = [c + len(f) for c, f in zip(self.confirmed, self.fed)]
-        gaps = [len(s) - v for s, v in zip(seqs, valid)]
+        gaps = [len(t) + 1 - v for t, v in zip(tokens, valid)]
         m = max(gaps)
         if any(v - (m - g) < 0 for v, g in zip(valid, gaps)):  # (a very short row)
             self.reset()
             return self.propose(uids, tokens, pending, k)
         cut_back(self.cache, [h - v + m - g for h, v, g in zip(held, valid, gaps)])
-        x = mx.array([s[-m:] for s in seqs], dtype=mx.uint32)
+        x = mx.array([(t[len(t) - m + 1:] if m > 1 else []) + [y]
+                      for t, y in zip(tokens, pending)], dtype=mx.uint32)
         out = []
         for _ in range(k):
             logits = self.model(x, cache=self.cache)[:, -1, :self.vocab]
             x = mx.argmax(logits, axis=-1)[:, None].astype(mx.uint32)
             out.append(x)
         drafts = mx.concatenate(out, axis=1).tolist()
-        self.confirmed = [len(s) for s in seqs]
+        self.confirmed = [len(t) + 1 for t in tokens]
         self.fed = [d[:-1] for d in drafts]  # the last draft token is not in the cache
-        self.cost.add(len(seqs), (time.perf_counter() - t0) / k)
+        self.cost.add(len(tokens), (time.perf_counter() - t0) / k)
         return drafts
 
-    def _sync(self, uids: list[int], seqs: list[list[int]]) -> None:
+    def _sync(self, uids: list[int], tokens: list[list[int]]) -> None:
         """Make the cache's rows ``uids``: drop the rows that left; prefill the new ones
         (all but their last token), which mlx-lm appends at the end."""
         import mlx.core as mx
@@ -578,9 +578,8 @@ class DraftModel:
                 self.fed = [self.fed[i] for i in keep]
             else:
                 self.reset()
-        new = seqs[len(staying):]
-        if new:
-            prompts = [s[:-1] for s in new]
+        prompts = tokens[len(staying):]  # (each row's pending token is fed by propose)
+        if prompts:
             longest = max(len(p) for p in prompts)
             pads = [longest - len(p) for p in prompts]
             caches = [BatchKVCache(pads) for _ in self.model.layers]
