@@ -58,9 +58,9 @@ class BatchQuantizedKVCache(BatchKVCache):
             B, H = keys.shape[:2]
             steps = (self.step + n - 1) // self.step * self.step
             grown = []
-            for i, x in enumerate(new):
+            olds = _parts(self) if self.keys is not None else [None] * len(new)
+            for old, x in zip(olds, new):
                 z = mx.zeros((B, H, steps, x.shape[-1]), dtype=x.dtype)
-                old = _parts(self)[i] if self.keys is not None else None
                 if old is not None and prev % self.step:
                     old = old[..., :prev, :]
                 grown.append(z if old is None else mx.concatenate([old, z], axis=2))
