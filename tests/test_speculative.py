@@ -228,6 +228,15 @@ def test_a_worker_with_a_draft_model_serves_the_openai_sdk_and_says_so(start_wor
     w = start_worker("--speculative", "auto", "--draft-model", "builtin:tiny",
                      source="builtin:tiny-10m", name="tiny")
     assert w.status()["paths"]["speculation"].startswith("draft model builtin:tiny")
+    # the KV budget admits by both caches a sequence grows: the model's and the draft's
+    from mlx_lm import load
+
+    from mlxfleet.sources import resolve_source
+    from mlxfleet.worker.model_facts import kv_cost
+
+    each = [kv_cost(load(str(resolve_source(s)))[0]).per_token
+            for s in ("builtin:tiny-10m", "builtin:tiny")]
+    assert w.status()["paths"]["kv"]["bytes_per_token"] == sum(each) > max(each)
     import openai
 
     r = openai.OpenAI(base_url=w.base_url + "/v1", api_key="unused").chat.completions.create(

@@ -402,6 +402,8 @@ class Engine:
         self._new_batch()
         # (a sharded model cannot run a token on one rank alone: estimated from its shape)
         kv = KVCost(kv_bytes_per_token(self._model)) if cfg.sharded else kv_cost(self._model)
+        if self._speculator is not None and self._speculator.draft is not None:
+            kv += kv_cost(self._speculator.draft.model)  # its cache grows with each row's
         self.paths["kv"] = kv.as_dict()
         self.policy = self._policy_override or AdmissionPolicy(
             budget=cfg.cache_bytes, kv_per_token=kv.per_token, kv_windows=kv.windows,

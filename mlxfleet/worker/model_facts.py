@@ -14,6 +14,11 @@ class KVCost:
     windows: tuple[tuple[int, int], ...] = ()  # (bytes per token, window): sliding layers
     fixed: int = 0  # recurrent state (SSM, convolution): the same at any length
 
+    def __add__(self, other: KVCost) -> KVCost:
+        """Two caches one sequence keeps (a model's and its draft model's)."""
+        return KVCost(self.per_token + other.per_token, self.windows + other.windows,
+                      self.fixed + other.fixed)
+
     def as_dict(self) -> dict[str, Any]:
         return {"bytes_per_token": self.per_token, "fixed_bytes": self.fixed,
                 "sliding_windows": [{"bytes_per_token": b, "tokens": w}
