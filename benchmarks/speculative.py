@@ -150,6 +150,28 @@ def lone_ms(url: str, model: str, n: int = 20) -> float:
     return 1000 * sorted(times)[len(times) // 2]
 
 
+def quiet(procs, limit: float = 300) -> None:
+    """Wait until the servers are idle (under 5% of a CPU over a second, all together):
+    work left from the last round must not take the CPU from the next one."""
+    def ticks() -> int:
+        total = 0
+        for p in procs:
+            try:
+                stat = Path(f"/proc/{p.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # (not Linux: no /proc; nothing to wait for)
+                return 0
+            total += int(stat[11]) + int(stat[12])  # utime + stime, in clock ticks
+        return total
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        before = ticks()
+        time.sleep(1)
+        if ticks() - before < 0.05 * os.sysconf("SC_CLK_TCK"):
+            return
+    print(f"servers still busy after {limit:.0f} s", flush=True)
+
+
 def spec_stats(url: str) -> dict:
     return httpx.get(url + "/v1/status").json().get("speculation") or {}
 
@@ -176,25 +198,30 @@ def main() -> None:
                "mlxfleet": ["--speculative", "auto"],
                "mlxfleet + draft": ["--speculative", "auto", "--draft-model", str(draft)]}
     counted = ("mlxfleet", "mlxfleet + draft")  # (their acceptance is reported)
-    procs, urls = [], {}
+    commands: dict[str, list[str]] = {}
+    for name, extra in servers.items():
+        commands[name] = [PY, "-c", MLX_LM_SERVER.format(root=str(ROOT)), "mlx_lm.server",
+                          "--model", str(target), "--port", "{port}",
+                          "--decode-concurrency", str(n), "--prompt-concurrency", "8", *extra]
+    for name, extra in workers.items():
+        commands[name] = [PY, "-m", "mlxfleet", "worker", "--source", str(target),
+                          "--name", "bench", "--bind", "127.0.0.1:{port}",
+                          "--max-concurrency", str(n), "--max-request-tokens", "4096",
+                          "--cache-mb", "2048", "--draft-tokens", str(args.draft_tokens),
+                          *extra]
+    procs: dict[str, Proc] = {}
+    urls: dict[str, str] = {}
+
+    def start(name: str) -> None:
+        port = free_port()
+        procs[name] = Proc([a.format(port=port) for a in commands[name]],
+                           tmp / f"{name}.log")
+        urls[name] = f"http://127.0.0.1:{port}"
+        wait_http(urls[name] + ("/health" if name.startswith("mlxfleet") else "/v1/models"))
+
     try:
-        for name, extra in servers.items():
-            port = free_port()
-            procs.append(Proc([PY, "-c", MLX_LM_SERVER.format(root=str(ROOT)), "mlx_lm.server",
-                               "--model", str(target), "--port", str(port),
-                               "--decode-concurrency", str(n), "--prompt-concurrency", "8",
-                               *extra], tmp / f"{name}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for i, (name, extra) in enumerate(workers.items()):
-            port = free_port()
-            procs.append(Proc([PY, "-m", "mlxfleet", "worker", "--source", str(target),
-                               "--name", "bench", "--bind", f"127.0.0.1:{port}",
-                               "--max-concurrency", str(n), "--max-request-tokens", "4096",
-                               "--cache-mb", "2048", "--draft-tokens", str(args.draft_tokens),
-                               *extra], tmp / f"worker-{i}.log"))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for name, url in urls.items():
-            wait_http(url + ("/health" if name.startswith("mlxfleet") else "/v1/models"))
+        for name in commands:
+            start(name)
         model = {name: "bench" if name.startswith("mlxfleet") else str(target)
                  for name in urls}
         results: dict = {"rounds": {}, "lone_ms": {}}
@@ -206,9 +233,16 @@ def main() -> None:
                 order, schedule = list(urls.items()), []
                 for r in range(args.repeats):
                     schedule += order if r % 2 == 0 else order[::-1]
-                for name, url in schedule:
+                for name, _ in schedule:
+                    url = urls[name]
+                    quiet(procs.values())
                     before = spec_stats(url) if name in counted else {}
                     got_round = asyncio.run(round_of(url, model[name], pairs[:s]))
+                    if got_round["failed"]:
+                        # A request given up on goes on being decoded (mlx_lm.server does
+                        # not notice): it would take the CPU from the next server's round.
+                        procs[name].stop()
+                        start(name)
                     if name in counted:
                         after = spec_stats(url)
                         drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
@@ -222,7 +256,7 @@ def main() -> None:
         for name in ("mlx_lm.server", "mlxfleet"):
             results["lone_ms"][name] = lone_ms(urls[name], model[name])
     finally:
-        for p in procs:
+        for p in procs.values():
             p.stop()
     print(render(results, args))
 
