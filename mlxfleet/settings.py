@@ -140,7 +140,7 @@ class ServerSettings(BaseSettings):
     mcp_max_result_kb: int = Field(1024, gt=0, description="larger MCP tool results are cut")
     speculative: Optional[Literal["auto", "off"]] = Field(
         None, description="speculative decoding for models whose manifest does not say "
-        "(spec.speculative.mode; default off)")
+        "(spec.speculative.mode; default auto)")
     use_paged_cache: Optional[bool] = Field(None, description="the block prefix cache for "
                                             "models whose manifest does not say "
                                             "(spec.cache.paged)")

@@ -76,7 +76,7 @@ class WorkerConfig(BaseModel):
                               "(the block prefix cache) rather than whole",
         json_schema_extra=_from("cache.paged", "use_paged_cache", "--use-paged-cache"))
 
-    speculative: Literal["auto", "off"] = Field("off", description="speculative "
+    speculative: Literal["auto", "off"] = Field("auto", description="speculative "
                                                 "decoding: auto drafts by prompt lookup "
                                                 "(and the client's prediction) when it pays; "
                                                 "off decodes one token per step",
