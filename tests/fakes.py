@@ -156,8 +156,12 @@ class FakeFleet:
         await self.sup.stop()
 
 
-async def until(pred: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """Let the event loop run until ``pred()`` holds (fails the test after ``timeout``)."""
+async def until(pred: Callable[[], Any], timeout: float = 15.0) -> Any:
+    """Let the event loop run until ``pred()`` holds (fails the test after ``timeout``).
+
+    A condition here takes milliseconds; the generous timeout is for a loaded CI machine
+    (a crash took over 5 s to show as a backoff once, in a fresh-clone run at 2x its usual
+    duration, and never again in 8 local runs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
