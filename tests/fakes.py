@@ -160,8 +160,8 @@ async def until(pred: Callable[[], Any], timeout: float = 15.0) -> Any:
     """Let the event loop run until ``pred()`` holds (fails the test after ``timeout``).
 
     A condition here takes milliseconds; the generous timeout is for a loaded CI machine
-    (a crash took over 5 s to show as a backoff once, in a fresh-clone run at 2x its usual
-    duration, and never again in 8 local runs)."""
+    (a crash took over 5 s to show as a backoff once, in a slow fresh-clone run: 32 min
+    against the usual 27; never again in 8 local runs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
