@@ -542,8 +542,8 @@ class DraftModel:
             self.reset()
             return self.propose(uids, tokens, pending, k)
         cut_back(self.cache, [h - v + m - g for h, v, g in zip(held, valid, gaps)])
-        x = mx.array([(t[len(t) - m + 1:] if m > 1 else []) + [y]
-                      for t, y in zip(tokens, pending)], dtype=mx.uint32)
+        x = mx.array([t[len(t) - m + 1:] + [y] for t, y in zip(tokens, pending)],
+                     dtype=mx.uint32)
         out = []
         for _ in range(k):
             logits = self.model(x, cache=self.cache)[:, -1, :self.vocab]
