@@ -238,16 +238,17 @@ def main() -> None:
                     quiet(procs.values())
                     before = spec_stats(url) if name in counted else {}
                     got_round = asyncio.run(round_of(url, model[name], pairs[:s]))
-                    if got_round["failed"]:
-                        # A request given up on goes on being decoded (mlx_lm.server does
-                        # not notice): it would take the CPU from the next server's round.
-                        procs[name].stop()
-                        start(name)
                     if name in counted:
                         after = spec_stats(url)
                         drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
                         got = after["accepted_tokens"] - before.get("accepted_tokens", 0)
                         got_round["acceptance"] = got / drafted if drafted else None
+                    if got_round["failed"]:
+                        # A request given up on goes on being decoded (mlx_lm.server does
+                        # not notice): it would take the CPU from the next server's round.
+                        # (after its statistics: the restarted server starts from zero)
+                        procs[name].stop()
+                        start(name)
                     if name not in row or got_round["tokens_per_s"] > row[name]["tokens_per_s"]:
                         row[name] = got_round
                 results["rounds"][f"{kind} x{s}"] = row
