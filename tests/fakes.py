@@ -159,9 +159,9 @@ class FakeFleet:
 async def until(pred: Callable[[], Any], timeout: float = 15.0) -> Any:
     """Let the event loop run until ``pred()`` holds (fails the test after ``timeout``).
 
-    A condition here takes milliseconds; the generous timeout is for a loaded CI machine
-    (a crash took over 5 s to show as a backoff once, in a slow fresh-clone run: 32 min
-    against the usual 27; never again in 8 local runs)."""
+    A condition here takes milliseconds; the generous timeout is for a loaded CI machine.
+    A condition that holds only for a while (a backoff) must hold for seconds, or a
+    stalled event loop misses it whatever the timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()

@@ -91,7 +91,9 @@ async def test_load_on_demand_then_unload(fleet):
 
 
 async def test_crash_backs_off_then_restarts(tmp_path):
-    f = FakeFleet(tmp_path, backoff_base=0.5, backoff_cap=0.5)
+    # The backoff is the window in which the phase can be seen: 3 s, so that a stalled
+    # event loop on a loaded CI machine (a collection pass, say) cannot miss it.
+    f = FakeFleet(tmp_path, backoff_base=3, backoff_cap=3)
     try:
         rt, w1 = await _preloaded(f, "a")
         w1.crash()
