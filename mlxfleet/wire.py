@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, Optional, TypeVar
 
@@ -34,6 +35,25 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+    @classmethod
+    def answered(cls, status: int, body: bytes, who: str,
+                 headers: Optional[Mapping[str, str]] = None) -> APIError:
+        """The error another server of ours (a worker, a node) answered, raised again
+        here: its message, type, code and param when the body is an error shape we
+        write (OpenAI's, Anthropic's, Ollama's), else what ``who`` answered."""
+        try:
+            err = json.loads(body).get("error")
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            err = None
+        if isinstance(err, str):  # Ollama's shape
+            err = {"message": err}
+        err = err if isinstance(err, dict) else {}
+        retry = {"Retry-After": headers["retry-after"]} \
+            if headers and "retry-after" in headers else None
+        return cls(status, str(err.get("message") or f"{who} answered HTTP {status}"),
+                   type=err.get("type") or error_type_for(status), param=err.get("param"),
+                   code=err.get("code"), headers=retry)
 
 
 def error_type_for(status: int) -> str:

@@ -261,6 +261,24 @@ def test_in_band_errors_in_each_protocols_shape(path, check):
     assert check(stream_error(err, path)), stream_error(err, path)
 
 
+@pytest.mark.parametrize("body,message,code", [
+    (b'{"error": {"message": "Too long.", "type": "invalid_request_error", '
+     b'"param": "messages", "code": "context_length_exceeded"}}', "Too long.",
+     "context_length_exceeded"),
+    (b'{"type": "error", "error": {"type": "invalid_request_error", "message": "Too long."}}',
+     "Too long.", None),
+    (b'{"error": "Too long."}', "Too long.", None),
+    (b"<html>Bad Gateway</html>", "node 'b' answered HTTP 400", None),
+    (b'["not", "an", "error"]', "node 'b' answered HTTP 400", None),
+])
+def test_an_error_another_server_answered_keeps_its_message_and_code(body, message, code):
+    from mlxfleet.wire import APIError
+
+    err = APIError.answered(400, body, "node 'b'", {"retry-after": "3"})
+    assert (err.status, err.message, err.code) == (400, message, code)
+    assert err.type == "invalid_request_error" and err.headers == {"Retry-After": "3"}
+
+
 def test_a_responses_stream_error_has_the_next_sequence_number():
     from mlxfleet.wire import APIError
 

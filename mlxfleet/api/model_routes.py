@@ -307,13 +307,9 @@ async def _ask_worker(rt: Any, deadline: float, keep_alive: Any, body: dict, hea
             raise timeout_error(lease.name) from None
         finally:
             await upstream.aclose()
-    data = json.loads(content)
     if upstream.status_code != 200:
-        err = data.get("error") or {}
-        raise APIError(upstream.status_code, err.get("message", "the model failed"),
-                       type=err.get("type") or "server_error", param=err.get("param"),
-                       code=err.get("code"))
-    return data
+        raise APIError.answered(upstream.status_code, content, f"model '{rt.name}'")
+    return json.loads(content)
 
 
 def _keep_alive(value: Any) -> float:
@@ -392,18 +388,11 @@ async def _stream_after_load(acquire: Awaitable[Lease], name: str, target: tuple
         body = await upstream.aread()
         await upstream.aclose()
         lease.release()
-        yield _in_band(body, upstream.status_code, path).encode()
+        # a worker's error, re-sent as the last event of a started stream
+        err = APIError.answered(upstream.status_code, body, f"model '{lease.name}'")
+        yield stream_error(err, path).encode()
         return
     async for chunk in _relay(lease, upstream, path, gap):
         yield chunk
 
 
-def _in_band(body: bytes, status: int, path: str) -> str:
-    """A worker's error response, re-sent as the last event of a started stream."""
-    try:
-        err = json.loads(body)["error"]
-        message = err["message"] if isinstance(err, dict) else str(err)
-        code = err.get("code") if isinstance(err, dict) else None
-    except (ValueError, KeyError, TypeError):
-        message, code = body.decode(errors="replace"), None
-    return stream_error(APIError(status, message, code=code), path)

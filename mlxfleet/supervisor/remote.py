@@ -20,7 +20,7 @@ import httpx
 
 from ..manifest import Manifest
 from ..units import iso
-from ..wire import APIError, error_type_for
+from ..wire import APIError
 from .admission import AdmissionError, Lease
 from .fleet import Fleet
 from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
@@ -208,17 +208,10 @@ class RemoteModel:
         if r.status_code < 400:
             return r
         try:
-            err = json.loads(await r.aread()).get("error") or {}
-        except ValueError:
-            err = {}
+            body = await r.aread()
         finally:
             await r.aclose()
-        headers = {"Retry-After": r.headers["retry-after"]} \
-            if "retry-after" in r.headers else None
-        raise APIError(r.status_code, err.get("message") or f"node '{self.node}' answered "
-                       f"HTTP {r.status_code}",
-                       type=err.get("type") or error_type_for(r.status_code), code=err.get("code"),
-                       param=err.get("param"), headers=headers)
+        raise APIError.answered(r.status_code, body, f"node '{self.node}'", r.headers)
 
     def begin(self) -> RemoteWorker:
         self.worker.acquire()
