@@ -221,3 +221,21 @@ def test_stop_strings_end_the_sequence_where_the_tokens_are_made():
             break
     assert out == "the cat sat " and dec.finish_reason == "stop"
     assert dec.stop_sequence == "on the"
+
+
+def test_a_text_worker_does_not_load_torch(worker):
+    """transformers imports torch whenever it is installed (this test environment has
+    it, for the embeddings reference): 3 s of every cold start and 180 MiB per worker
+    (benchmarks/cold_start.py). A text worker never computes with it."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: nothing to hide")
+    with worker.client() as c:  # the model is loaded and has answered
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                   "max_tokens": 2}).is_success
+    maps = Path(f"/proc/{worker.proc.pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc here")
+    assert "libtorch" not in maps.read_text()

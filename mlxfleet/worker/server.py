@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from typing import Optional
 
 from ..worker_settings import WorkerConfig
@@ -96,5 +97,22 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 
 
 def run_worker(config: WorkerConfig, bind: str) -> int:
+    _without_torch(config)
     asyncio.run(serve_worker(config, bind))
     return 0
+
+
+def _without_torch(config: WorkerConfig) -> None:
+    """A worker computes with MLX only, yet transformers imports torch whenever it is
+    installed: 2 s of every worker start measured here, and its memory. Text and
+    embedding workers hide it (``find_spec`` then reports it missing). A vision model
+    keeps it for image processors that need it, a checkpoint's own code
+    (``trustRemoteCode``) in case it imports it, and so does a checkpoint not on disk yet
+    (it might be either)."""
+    from ..sources import is_vision_checkpoint, local_dir
+
+    if config.task == "vision" or config.trust_remote_code or "torch" in sys.modules:
+        return
+    path = local_dir(config.source, config.revision)
+    if path is not None and not is_vision_checkpoint(path):
+        sys.modules["torch"] = None  # type: ignore[assignment]
