@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -60,8 +63,10 @@ class Fleet:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / "serve.log"
-        self.run_dir = root / "run"  # where the supervisor makes its private socket folder
-        self.run_dir.mkdir(mode=0o700, exist_ok=True)
+        # Where the supervisor makes its private socket folder: short, as a socket path
+        # must be (pytest's folders, with xdist's, are too deep); removed with the Fleet.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mft-"))
+        weakref.finalize(self, shutil.rmtree, self.run_dir, True)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLXFLEET_BACKOFF_BASE": "0.5",
                     "MLXFLEET_RELOAD_DEBOUNCE_MS": "100", "MLXFLEET_DRAIN_TIMEOUT": "20",
                     "MLXFLEET_SERVER": self.url,

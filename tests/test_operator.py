@@ -194,6 +194,23 @@ def test_a_model_that_cannot_load_backs_off_instead_of_looping(fleet, tmp_path):
     assert fleet.chat("fine").usage.completion_tokens == 4  # others are unaffected
 
 
+def test_a_deep_runtime_dir_and_the_longest_name_still_serve(tmp_path):
+    # A socket path over 104 bytes cannot be bound on macOS: the worker crash-looped on
+    # "AF_UNIX path too long" when the model's name went into it under a deep folder.
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    name = "m" * 63  # the longest name a manifest allows
+    f = Fleet(tmp_path / "f", env={"XDG_RUNTIME_DIR": str(deep)})
+    f.write("m.yaml", manifest(name))
+    try:
+        f.start()
+        f.wait_ready(name)
+        assert f.chat(name).usage.completion_tokens == 4
+        assert "too deep for socket paths" in f.logs()
+    finally:
+        f.stop()
+
+
 def test_killing_the_supervisor_leaves_no_orphans(fleet):
     fleet.write("a.yaml", manifest("alpha"))
     fleet.write("b.yaml", manifest("beta"))

@@ -35,6 +35,20 @@ log = logging.getLogger("mlxfleet.supervisor")
 
 RUNTIME_PREFIX = "mlxfleet-"
 OWNER_FILE = "supervisor.pid"
+#: The longest socket path every platform takes (macOS: 104 bytes with the NUL; Linux 108).
+MAX_SOCKET_PATH = 103
+
+
+def runtime_base() -> Path:
+    """Where the private socket folder goes: ``$XDG_RUNTIME_DIR``, or /tmp when that is
+    unset or too deep for a socket path under it (a worker could not bind)."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+    longest = base / f"{RUNTIME_PREFIX}xxxxxxxx" / "99999.sock"
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        log.warning("XDG_RUNTIME_DIR %s is too deep for socket paths (%d bytes at most): "
+                    "worker sockets go under /tmp", base, MAX_SOCKET_PATH)
+        return Path("/tmp")
+    return base
 
 
 def remove_stale_runtime_dirs(base: Path) -> None:
@@ -105,7 +119,7 @@ class Supervisor(FleetMembership):
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
-        base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+        base = runtime_base()
         remove_stale_runtime_dirs(base)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
         os.chmod(self.runtime_dir, 0o700)
@@ -145,7 +159,7 @@ class Supervisor(FleetMembership):
         from .process import WorkerProcess
 
         self._seq += 1
-        sock = self.runtime_dir / f"{rt.name}.{self._seq}.sock"
+        sock = self.runtime_dir / f"{self._seq}.sock"  # (a model's name may be 63 bytes)
         s = self.settings
         return WorkerProcess(rt.manifest, sock, self.log_path(rt.name), s.log_max_bytes,
                              s.log_backups, s, rt.worker_config)
