@@ -567,6 +567,8 @@ class Engine:
             if uids:
                 self._remove(uids, keep_prefix=True)
                 self.stats.cancelled_total += 1
+            elif item.gen in self._pending:  # not started: _admit drops it
+                self.stats.cancelled_total += 1
         self._count()
         return True
 
