@@ -238,16 +238,8 @@ def test_a_client_that_hangs_up_counts_as_499_and_stops_its_generation(secured):
     assert value(after, req, model="tiny", status="499") - \
         value(before, req, model="tiny", status="499") == 3
     assert "client disconnected (499)" in secured.logs()
-    # The worker stopped generating for each: it is idle, and made far fewer than the
-    # 1900 tokens one of them asked for. (A hang-up can come before the worker started a
-    # request at all, on a loaded machine: the started stream is certainly cancelled.)
-    toks = "mlxfleet_engine_completion_tokens_total"
-    assert wait_for(lambda: value(s := scrape(secured), "mlxfleet_engine_batch_size",
-                                  model="tiny") == 0
-                    and value(s, "mlxfleet_engine_waiting", model="tiny") == 0, 10)
-    assert value(scrape(secured), toks, model="tiny") - value(before, toks, model="tiny") \
-        < 1900
-    assert 1 <= cancelled() - was <= 3
+    # The worker stopped generating for each (1900 tokens would have taken much longer).
+    assert wait_for(lambda: cancelled() - was == 3, 10), cancelled() - was
 
 
 def test_a_client_that_hangs_up_mid_body_leaves_no_error_in_the_log(secured):
