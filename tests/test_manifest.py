@@ -337,3 +337,99 @@ def test_oversized_and_deeply_nested_files_are_errors_not_crashes(tmp_path):
     assert "at most" in str(results["big.yaml"].errors[0])
     assert "nested too deeply" in str(results["deep.yaml"].errors[0])
     assert [lm.manifest.name for lm in results["ok.yaml"].models] == ["ok"]
+
+
+# ---- apply and delete on multi-document files: every other document byte for byte ----
+
+def _docs_text(text: str) -> list[str]:
+    """Each document's own text (from its first key to its last value)."""
+    import yaml
+
+    from mlxfleet.supervisor.apply import _content_end
+
+    return [text[n.start_mark.index:_content_end(n)].rstrip()
+            for n in yaml.compose_all(text) if n is not None]
+
+
+def _model_doc(name: str, block: bool, labels: bool, trailing: str) -> str:
+    if block:
+        return (f"apiVersion: mlxfleet/v1\nkind: Model\nmetadata:\n  name: {name}\n"
+                + ("  labels:\n    tier: chat\n" if labels else "")
+                + f"spec:\n  source: builtin:tiny{trailing}\n")
+    return (f"{{apiVersion: mlxfleet/v1, kind: Model, metadata: {{name: {name}"
+            + (", labels: {tier: chat}" if labels else "")
+            + f"}}, spec: {{source: 'builtin:tiny'}}}}{trailing}\n")
+
+
+def _multi_file(draw_docs: list[tuple[bool, bool, str, str, str]]) -> tuple[str, list[str]]:
+    names = [f"m{i}" for i in range(len(draw_docs))]
+    parts = []
+    for i, (block, labels, head, trailing, sep) in enumerate(draw_docs):
+        if i:
+            parts.append(sep)
+        parts.append(head + _model_doc(names[i], block, labels, trailing))
+    return "".join(parts), names
+
+
+def test_applying_or_deleting_one_document_leaves_every_other_byte_identical(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    shape = st.tuples(st.booleans(), st.booleans(),
+                      st.sampled_from(["", "# about it\n", "\n# two\n# lines\n"]),
+                      st.sampled_from(["", "  # why", "\n# trailing comment", "\n\n"]),
+                      st.sampled_from(["---\n", "--- # next\n", "\n---\n", "---\n\n"]))
+
+    @settings(max_examples=150, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(shape, min_size=1, max_size=4), st.data())
+    def check(shapes, data):
+        text, names = _multi_file(shapes)
+        k = data.draw(st.integers(0, len(names) - 1))
+        block = data.draw(st.booleans())
+        for old in tmp_path.iterdir():
+            old.unlink()
+        f = tmp_path / "many.yaml"
+        f.write_text(text)
+        before = _docs_text(text)
+        # apply document k with a changed label: only its text changes
+        out = apply_text(tmp_path, _model_doc(names[k], block, True, "").replace(
+            "chat", "batch"))
+        assert [(a.name, a.action) for a in out] == [(names[k], "configured")]
+        after_text = f.read_text()
+        after = _docs_text(after_text)
+        assert [d for i, d in enumerate(after) if i != k] == \
+            [d for i, d in enumerate(before) if i != k], after_text
+        models = {lm.manifest.name: lm.manifest for r in load_paths([tmp_path])
+                  for lm in r.models}
+        assert sorted(models) == sorted(names), after_text
+        assert models[names[k]].metadata.labels == {"tier": "batch"}
+        # delete document k: the others stay as they were, and parse the same
+        assert delete_model(tmp_path, names[k]) == str(f)
+        if len(names) == 1:
+            assert not f.exists()
+            return
+        rest = _docs_text(f.read_text())
+        assert rest == [d for i, d in enumerate(before) if i != k], f.read_text()
+        left = [lm.manifest.name for r in load_paths([tmp_path]) for lm in r.models]
+        assert left == [n for i, n in enumerate(names) if i != k]
+
+    check()
+
+
+def test_concurrent_applies_and_deletes_of_one_file_lose_nothing(tmp_path):
+    """Apply and delete run on the server's thread pool: on one file they take turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    f = tmp_path / "pair.yaml"
+    for _ in range(10):
+        f.write_text(doc("s1") + "---\n" + doc("s2"))
+        with ThreadPoolExecutor(8) as pool:
+            jobs = [pool.submit(apply_text, tmp_path, doc("s2", aliases=[f"v{i}"]))
+                    for i in range(6)]
+            gone = pool.submit(delete_model, tmp_path, "s1")
+            [j.result() for j in jobs]  # none raises (FileNotFoundError before)
+            assert gone.result() == str(f)
+        models = {lm.manifest.name: lm.manifest for r in load_paths([tmp_path])
+                  for lm in r.models}
+        assert sorted(models) == ["s2"] and len(models["s2"].spec.aliases) == 1

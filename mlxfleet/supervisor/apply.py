@@ -1,14 +1,20 @@
 """``apply`` and ``delete``: edit the manifests folder the way a person would.
 
 Documents are spliced by their text position, so comments and formatting in
-the rest of a file survive. Every write is atomic (a hidden temporary file,
-then a rename), so the watcher never sees half a file.
+the rest of a file survive: every other document stays byte for byte as it was
+(tests/test_manifest.py checks it over generated files). Every write is atomic
+(a hidden temporary file, then a rename), so the watcher never sees half a file,
+and writes are serialized (one lock for the folder's writers in this process):
+``apply`` and ``delete`` read the file they change under it, so two of them on
+one file never lose each other's change.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +77,20 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+#: Writers of the manifests folder take turns: ``apply`` and ``delete`` run on the
+#: default thread pool, and each reads, splices and rewrites whole files.
+_WRITING = threading.Lock()
+
+
 def apply_text(folder: Path, text: str, source_name: str = "<apply>",
                rules: Rules = Rules()) -> list[Applied]:
     """Validate ``text`` (one or more Model documents) as the folder reader would, and
     write it into ``folder``."""
+    with _WRITING:
+        return _apply_text(folder, text, source_name, rules)
+
+
+def _apply_text(folder: Path, text: str, source_name: str, rules: Rules) -> list[Applied]:
     new = parse_text(text, source_name, rules)
     if new.errors:
         raise ApplyError(new.errors)
@@ -128,12 +144,34 @@ def _without_head_comments(doc_text: str) -> str:
     return "".join(lines)
 
 
+def _content_end(node: yaml.Node) -> int:
+    """Where a document's own text ends: its last value, not the block's end mark (which
+    sits at the next token, past trailing comments and the newline before ``---``)."""
+    if isinstance(node, yaml.MappingNode) and not node.flow_style and node.value:
+        return _content_end(node.value[-1][1])
+    if isinstance(node, yaml.SequenceNode) and not node.flow_style and node.value:
+        return _content_end(node.value[-1])
+    return node.end_mark.index
+
+
+#: A document separator line (``---``, maybe followed by a comment or a flow value).
+_SEPARATOR = re.compile(r"^---(?=[ \t]|$)[^\n]*\n?", re.M)
+
+
 def _replace_doc(path: Path, document: int, doc_text: str | None) -> None:
-    """Replace (or with None, remove) the ``document``-th (1-based) document of a file."""
+    """Replace (or with None, remove) the ``document``-th (1-based) document of a file;
+    the text around it (other documents, comments, separators) is kept as it is."""
     text = path.read_text(encoding="utf-8")
     docs = list(yaml.compose_all(text))
-    # Document numbers count empty documents too (see parse_text); map to spans.
-    spans = [(n.start_mark.index, n.end_mark.index) if n is not None else None for n in docs]
+    # Document numbers count empty documents too (see parse_text); map to spans that end
+    # where the document's content does (its trailing newline and comments stay).
+    spans = []
+    for n in docs:
+        if n is None:
+            spans.append(None)
+            continue
+        s = n.start_mark.index
+        spans.append((s, s + len(text[s:_content_end(n)].rstrip())))
     span = spans[document - 1]
     remaining = [sp for i, sp in enumerate(spans) if sp is not None and i != document - 1]
     if doc_text is None and not remaining:
@@ -141,12 +179,13 @@ def _replace_doc(path: Path, document: int, doc_text: str | None) -> None:
         return
     s, e = span
     if doc_text is None:
-        # Drop the document and the separator line that introduced it.
-        before = text[:s]
-        cut = before.rstrip().rfind("---")
-        if cut != -1 and not before[cut:].strip("-\n \t"):
-            s = cut
-        new_text = text[:s] + text[e:].lstrip("\n")
+        # Drop the document from the separator line that introduced it (with the comments
+        # above it) to the end of its last line; a first document has no separator.
+        seps = list(_SEPARATOR.finditer(text, 0, s))
+        if seps:
+            s = seps[-1].start()
+        eol = text.find("\n", e)
+        new_text = text[:s] + (text[eol + 1:] if eol != -1 else "")
     else:
         new_text = text[:s] + doc_text.rstrip("\n") + text[e:]
     atomic_write(path, new_text if new_text.endswith("\n") else new_text + "\n")
@@ -154,6 +193,11 @@ def _replace_doc(path: Path, document: int, doc_text: str | None) -> None:
 
 def delete_model(folder: Path, name: str) -> str | None:
     """Remove model ``name`` from the folder; returns the file it was in, if found."""
+    with _WRITING:
+        return _delete_model(folder, name)
+
+
+def _delete_model(folder: Path, name: str) -> str | None:
     for r in load_paths([folder]):
         for lm in r.models:
             if lm.manifest.name == name:
