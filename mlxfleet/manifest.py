@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -32,21 +32,25 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
 
+from . import names
 from .units import parse_duration
 from .worker_settings import default as _d
 
 API_VERSION = "mlxfleet/v1"
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 MAX_MANIFEST_BYTES = 1 << 20
 
-Duration = Annotated[float, BeforeValidator(parse_duration)]
+#: Seconds; written back as the manifest would say it (``forever``: YAML's ``.inf`` is
+#: not a duration, so a dumped ``keepAlive: forever`` must not become one).
+Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(
+    lambda v: "forever" if math.isinf(v) else v, when_used="json")]
 
 
 class _Spec(BaseModel):
@@ -268,8 +272,7 @@ class ModelSpec(_Spec):
     @classmethod
     def _aliases(cls, v: list[str]) -> list[str]:
         for a in v:
-            if not a or len(a) > 128 or any(c.isspace() for c in a):
-                raise ValueError(f"alias {a!r} must be 1-128 characters without spaces")
+            names.alias(a)
         if len(set(v)) != len(v):
             raise ValueError("aliases must not repeat")
         return v
@@ -282,11 +285,7 @@ class Metadata(_Spec):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(f"{v!r} must be a lowercase DNS label: a-z, 0-9 and '-', "
-                             "starting and ending with a letter or digit, at most 63 "
-                             "characters")
-        return v
+        return names.model_name(v)
 
 
 class _Document(_Spec):

@@ -63,10 +63,13 @@ def resolve_source(source: str, revision: Optional[str] = None) -> Path:
 
 
 def _check_repo_id(source: str) -> None:
-    parts = source.split("/")
-    if len(parts) != 2 or not all(parts):
-        raise SourceError(f"{source!r} is neither a local directory, a builtin: model, "
-                          "nor a Hugging Face repo id (owner/name)")
+    from .names import loggable, repo_id
+
+    try:
+        repo_id(source)
+    except ValueError as e:
+        raise SourceError(f"{loggable(source)} is neither a local directory, a builtin: "
+                          f"model, nor a Hugging Face repo id: {e}") from None
 
 
 def local_dir(source: str, revision: Optional[str] = None) -> Optional[Path]:

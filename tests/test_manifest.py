@@ -433,3 +433,34 @@ def test_concurrent_applies_and_deletes_of_one_file_lose_nothing(tmp_path):
         models = {lm.manifest.name: lm.manifest for r in load_paths([tmp_path])
                   for lm in r.models}
         assert sorted(models) == ["s2"] and len(models["s2"].spec.aliases) == 1
+
+
+@pytest.mark.parametrize("name", [
+    "evil\n", "tiny\u200b", "ｔｉｎｙ", "ti\u00adny", "t\u0456ny", "a" * 64, "-a", "a_b", "",
+    "../x", "/tmp/victim"])
+def test_model_names_are_plain_dns_labels_checked_whole(name):
+    r = parse_text(doc(name=json.dumps(name)), "m.yaml")
+    assert r.errors and r.errors[0].field == "metadata.name", (name, r.errors)
+    assert "\n" not in str(r.errors[0]), "the error must not carry the raw newline"
+
+
+@pytest.mark.parametrize("alias", [
+    "tiny\u200b", "ｇｐｔ-4", "gpt\n", "a b", "x/../y", "\u0456", "a" * 129])
+def test_aliases_refuse_confusables_and_control_characters(alias):
+    r = parse_text(doc(aliases=[alias]), "m.yaml")
+    assert r.errors and "spec.aliases" in r.errors[0].field, (alias, r.errors)
+
+
+def test_the_names_people_use_still_parse():
+    r = parse_text(doc(name="qwen3-8b", aliases=["gpt-4o-mini", "qwen3:8b", "claude-*",
+                                                  "mlx-community/Qwen3-8B", "gpt-4.1",
+                                                  "llama3.1:latest", "m[0-9]"]), "m.yaml")
+    assert not r.errors, r.errors
+
+
+def test_client_strings_in_log_lines_are_escaped_and_short():
+    from mlxfleet.names import loggable
+
+    line = loggable("evil\n2026-01-01 INFO forged")
+    assert "\n" not in line and "\\n" in line
+    assert len(loggable("x" * 30_000_000)) < 260

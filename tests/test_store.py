@@ -134,6 +134,38 @@ def test_copy_makes_an_alias_and_create_quantizes_a_local_checkpoint(fleet):
     assert r.status_code == 400 and "template" in r.json()["error"]
 
 
+def test_names_from_clients_are_checked_before_any_path_is_built(fleet, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    for name in (str(victim), "x/../../../../../../../.." + str(victim), "evil\n", "ｔｉｎｙ"):
+        r = httpx.post(fleet.url + "/api/create", json={
+            "model": name, "from": "builtin:tiny", "quantize": "q4", "stream": False},
+            timeout=60)
+        assert r.status_code == 400 and "DNS label" in r.json()["error"], (name, r.text)
+    assert (victim / "keep.txt").read_text() == "mine"  # (it was emptied and written)
+    assert not (fleet.state / "models" / "evil").exists()
+    r = httpx.post(fleet.url + "/api/pull", json={"model": "a/.."}, timeout=30)
+    assert r.status_code == 400 and "repo id" in r.json()["error"], r.text  # (was 502)
+    r = httpx.post(fleet.url + "/api/copy", json={"source": "local",
+                                                  "destination": "tiny\u200b"}, timeout=30)
+    assert r.status_code == 400 and "U+200B" in r.json()["error"], r.text
+
+
+def test_copy_refuses_to_replace_a_model_and_copies_a_model_kept_forever(fleet):
+    fleet.write("keeper.yaml", manifest("keeper", keepAlive="forever", preload=False))
+    assert wait_for(lambda: fleet.status("keeper"), 20)
+    r = httpx.post(fleet.url + "/api/copy", json={"source": "keeper",
+                                                  "destination": "keeper-2"}, timeout=30)
+    assert r.status_code == 200, r.text  # (was 400 "inf is not a duration")
+    assert "keeper-2" in fleet.status("keeper")["aliases"]
+    assert "keepAlive: forever" in (fleet.dir / "keeper.yaml").read_text()
+    r = httpx.post(fleet.url + "/api/copy", json={"source": "keeper",
+                                                  "destination": "local"}, timeout=30)
+    assert r.status_code == 409 and "force" in r.json()["error"], r.text
+    assert "builtin:tiny" in (fleet.dir / "local.yaml").read_text()  # not replaced
+
+
 def test_delete_removes_a_stored_source_but_not_one_in_use(fleet):
     client = ollama.Client(host=fleet.url)
     with pytest.raises(ollama.ResponseError) as e:

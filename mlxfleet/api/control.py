@@ -11,6 +11,7 @@ from typing import Any
 from quart import Quart, request
 
 from .. import __version__
+from ..names import loggable
 from ..units import parse_duration
 from ..wire import APIError, streaming_response
 
@@ -136,9 +137,9 @@ def register_control(app: Quart, supervisor: Any) -> None:
         size = path.stat().st_size
         m = re.fullmatch(r"bytes=(\d+)-", request.headers.get("Range", ""))
         start = min(int(m.group(1)), size) if m else 0
-        log.info("serving %s %s from byte %d of %d to node %s", request.args["source"],
-                 request.args["name"], start, size,
-                 request.headers.get("X-Mlxfleet-Forwarded-By", "?"))
+        log.info("serving %s %s from byte %d of %d to node %s",
+                 loggable(request.args["source"]), loggable(request.args["name"]), start,
+                 size, loggable(request.headers.get("X-Mlxfleet-Forwarded-By", "?")))
 
         async def body():
             with open(path, "rb") as f:

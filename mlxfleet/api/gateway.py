@@ -16,6 +16,7 @@ from typing import Any, Optional
 from quart import Quart
 
 from ..manifest import is_pattern
+from ..names import loggable
 from ..wire import APIError, install_error_handlers
 from .mcp import register_mcp
 from .metrics import Metrics
@@ -120,7 +121,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         """One model by name or alias (what the openai SDK's ``models.retrieve`` asks)."""
         rt = supervisor.resolve(model)
         if rt is None:
-            raise APIError(404, f"The model '{model}' does not exist.", param="model",
+            raise APIError(404, f"The model {loggable(model)} does not exist.", param="model",
                            type="invalid_request_error", code="model_not_found")
         return model_entry(rt, model)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from quart import Quart, Response, g, request
 
+from ..names import loggable
 from .guard import OPEN_ROUTES
 
 log = logging.getLogger("mlxfleet.gateway")
@@ -76,7 +77,8 @@ class Metrics:
                 route = state.get("route", UNMATCHED)
                 if status == 499:
                     log.info("%s %s%s: client disconnected (499)", scope["method"],
-                             scope["path"], f" (model {model})" if model else "")
+                             loggable(scope["path"], 120),
+                             f" (model {loggable(model, 120)})" if model else "")
                 self.requests.labels(model, route, str(status)).inc()
 
         app.asgi_app = counted

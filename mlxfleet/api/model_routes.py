@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import httpx
 
+from ..names import loggable
 from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
 from ..units import parse_duration
 from ..wire import (
@@ -218,8 +219,8 @@ def log_refusal(request_id: str, method: str, path: str, model: Optional[str], s
     except (ValueError, AttributeError):
         pass
     log.log(logging.ERROR if status >= 500 else logging.WARNING,
-            "%s %s %s model=%s -> %d: %s", request_id, method, path, model or "-", status,
-            reason[:300])
+            "%s %s %s model=%s -> %d: %s", request_id, method, loggable(path, 120),
+            loggable(model, 120) if model else "-", status, loggable(reason, 300))
 
 
 class _ClientGone(Exception):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from quart import Quart, request
 
+from .. import names
 from ..sources import source_kind
 from ..store import PullError
 from ..wire import APIError, parse_json_body, streaming_response
@@ -27,9 +28,20 @@ _CREATE_FIELDS = {"model", "name", "from", "quantize", "stream"}
 
 def _named(body: dict, key: str = "model") -> str:
     name = body.get(key) or (body.get("name") if key == "model" else None)
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str) or not name:
         raise APIError(400, f"{key} is required", param=key)
-    return name.strip()
+    return name  # as sent: "evil\n" is not "evil"
+
+
+def _new_model_name(body: dict, key: str = "model") -> str:
+    """A name that becomes a manifest (and a file, and a folder): checked before any
+    path is built from it (Ollama's ``NAME:latest`` is ``NAME``)."""
+    name = _named(body, key)
+    name = name[:-len(":latest")] if name.endswith(":latest") else name
+    try:
+        return names.model_name(name)
+    except ValueError as e:
+        raise APIError(400, f"{key}: {e}", param=key, code="invalid_name") from None
 
 
 def source_of(supervisor: Any, name: str) -> tuple[str, Optional[str]]:
@@ -87,23 +99,37 @@ def register_ollama_store(app: Quart, supervisor: Any) -> None:
     @app.post("/api/copy")
     async def ollama_copy():
         """``destination`` becomes an alias of the model ``source`` (its manifest gains
-        it); a source that is no model here gets a manifest of its own by that name."""
+        it); a source that is no model here gets a manifest of its own by that name. A
+        destination that already names a model is refused unless ``force`` is true
+        (Ollama overwrites; a manifest is a person's file, so here it takes asking)."""
         body = parse_json_body(await request.get_data())
         src, dest = _named(body, "source"), _named(body, "destination")
         rt = supervisor.resolve(src)
-        if rt is not None:
+        # exact names and aliases only: an exact alias wins over a glob (claude-*)
+        taken = dest if dest in supervisor.all_names() else supervisor.aliases.get(dest)
+        if taken is not None and not (body.get("force") is True and taken == dest):
+            raise APIError(409, f"{names.loggable(dest)} already names model "
+                           f"'{taken}'; send \"force\": true to replace a model's "
+                           "manifest (an alias of another model is never replaced)",
+                           param="destination", code="model_exists")
+        if rt is not None and taken is None:
+            try:
+                names.alias(dest)
+            except ValueError as e:
+                raise APIError(400, f"destination: {e}", param="destination",
+                               code="invalid_name") from None
             spec = rt.manifest.spec
             m = rt.manifest.model_copy(update={"spec": spec.model_copy(
                 update={"aliases": [*spec.aliases, dest]})})
-        else:
-            m = _manifest(dest, *source_of(supervisor, src))
+        else:  # a manifest of its own, with the source's weights
+            m = _manifest(_new_model_name(body, "destination"), *source_of(supervisor, src))
         await _apply(supervisor, m)
         return {}
 
     @app.post("/api/create")
     async def ollama_create():
         body = parse_json_body(await request.get_data())
-        name = _named(body)
+        name = _new_model_name(body)
         extra = sorted(set(body) - _CREATE_FIELDS)
         if extra:
             raise APIError(400, f"/api/create here takes {', '.join(sorted(_CREATE_FIELDS))}; "
@@ -181,7 +207,7 @@ def _manifest(name: str, source: str, revision: Optional[str] = None) -> Any:
         return Manifest.model_validate({"apiVersion": "mlxfleet/v1", "kind": "Model",
                                         "metadata": {"name": name}, "spec": spec})
     except ValueError as e:
-        raise APIError(400, f"cannot make a model named {name!r}: {e}",
+        raise APIError(400, f"cannot make a model named {names.loggable(name)}: {e}",
                        code="invalid_manifest") from None
 
 

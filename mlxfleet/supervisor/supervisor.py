@@ -20,6 +20,7 @@ from ..manifest import (
     is_pattern,
     load_paths,
 )
+from ..names import loggable
 from ..settings import ServerSettings
 from ..store import Pulls
 from ..units import fmt_bytes
@@ -186,9 +187,12 @@ class Supervisor(FleetMembership):
         refused, never forwarded again: requests cannot go round in circles."""
         rt = self.resolve(model)
         if rt is None:
-            known = ", ".join(self.all_names() + sorted(self.aliases)) or "none"
-            raise AdmissionError(404, f"The model '{model}' does not exist. Available "
-                                 f"models: {known}.", "model_not_found", param="model")
+            # glob aliases too: "claude-*" tells a client what it may send
+            known = ", ".join(self.all_names() + sorted(self.aliases)
+                              + sorted(self.patterns)) or "none"
+            raise AdmissionError(404, f"The model {loggable(model)} does not exist. "
+                                 f"Available models: {known}.", "model_not_found",
+                                 param="model")
         if forwarded and rt.node != self.node_name:
             where = f"node '{rt.node}'" if rt.node else "no node"
             raise AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node "

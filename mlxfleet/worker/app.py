@@ -21,6 +21,7 @@ from quart import Quart, g, request
 
 from .. import blas
 from ..formats import pick_parsers
+from ..names import loggable
 from ..wire import (
     GATEWAY_FIELDS,
     APIError,
@@ -247,7 +248,8 @@ class Worker:
         finally:
             self.engine.announce(-1)
         if extras:
-            log.info("ignoring unsupported request fields: %s", ", ".join(extras))
+            log.info("ignoring unsupported request fields: %s",
+                     ", ".join(loggable(x, 64) for x in extras[:20]))
         pipe.request_id = request.headers.get("X-Request-Id") or new_id("req")
         self.calls[pipe.request_id] = pipe
         g.reply_headers = pipe.headers

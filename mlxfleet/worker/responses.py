@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from quart import Quart
 
+from ..names import loggable
 from ..wire import HISTORY_FIELD, RESPONSE_ID_FIELD, APIError, parse_model
 from .app import Worker
 from .images import ImageRef, openai_image
@@ -502,7 +503,8 @@ def register_responses(app: Quart, worker: Worker) -> None:
         tmap = parsed[1]
         fold = ResponseFold(_Shell(parsed[0], name), tmap)
         if tmap.dropped:
-            log.info("left out tools this server cannot run: %s", ", ".join(tmap.dropped))
+            log.info("left out tools this server cannot run: %s",
+                     ", ".join(loggable(t, 64) for t in tmap.dropped[:20]))
             pipe.headers[DROPPED_TOOLS_HEADER] = ", ".join(tmap.dropped)
         if req.stream:
             return worker.stream(pipe, _stream(pipe, fold), in_band=fold.error)
