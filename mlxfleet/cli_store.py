@@ -88,10 +88,11 @@ def run_pull(args: Any, server_url: str, headers: dict) -> int:
         return 0
     except httpx.ConnectError:
         pass  # no server: pull here
-    from .store import PullError, pull
+    from .settings import ServerSettings
+    from .store import Limits, PullError, pull
 
-    try:
-        pull(args.source, args.revision, draw)
+    try:  # the same limits as a server's pull (MLXFLEET_PULL_* settings)
+        pull(args.source, args.revision, draw, limits=Limits.of(ServerSettings()))
     except PullError as e:
         raise SystemExit(f"error: {e}") from None
     return 0

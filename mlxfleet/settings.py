@@ -98,6 +98,20 @@ class ServerSettings(BaseSettings):
     peer_copy_rate_mb: int = Field(100, ge=0, description="fleets: MB/s at most a node "
                                    "takes from another when copying weights (so serving is "
                                    "not starved); 0 = no cap")
+    pull_idle_timeout: float = Field(60.0, gt=0, description="seconds a download may go "
+                                     "without a byte before it is stopped (pull again to "
+                                     "continue it)")
+    pull_timeout: float = Field(12 * 3600.0, gt=0, description="seconds a whole pull may "
+                                "take")
+    pull_free_margin_mb: int = Field(1024, ge=0, description="disk space a pull leaves free "
+                                     "(a pull that would not is refused before it starts)")
+    pull_concurrency: int = Field(2, ge=1, description="pulls running at once; more wait "
+                                  "their turn (on their own threads: the control plane "
+                                  "never waits behind a download)")
+    peer_copy_without_hub: bool = Field(
+        False, description="fleets: when the hub cannot be reached, copy weights from "
+        "another node on its signed listing (the fleet key) instead of the hub's; off: a "
+        "copy from a node is always checked against the hub's hashes")
     rate_limit: int = Field(0, ge=0, description="requests per minute per client; 0 = off")
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")

@@ -2,12 +2,16 @@
 
 One store per machine: Hugging Face checkpoints live in the Hugging Face cache
 (``HF_HOME`` / ``HF_HUB_CACHE``; the same files ``mlx_lm.load`` and every other MLX tool
-use), builtin and zoo models in mlxfleet's cache. A pull is ``snapshot_download`` (the
-real path: resumable ``.incomplete`` files, one blob per content hash), watched from
-outside for progress (the cache's blob files grow as they download), then verified:
-each LFS file's SHA-256 against the hub's listing, a mismatch deleted and fetched again
-once. Progress comes as Ollama's ``/api/pull`` status objects, which the CLI draws as a
-bar and the gateway streams as they are.
+use), builtin and zoo models in mlxfleet's cache. A pull takes the hub's listing (the
+commit, each file's size and hash), checks it (``remote_file``: plain relative names,
+hex blob names, sane sizes), checks there is room on disk, then fetches each file into
+the cache's ``blobs/`` (from another node of the fleet first, else the hub; resumable
+``.incomplete`` files, never more bytes than listed, an idle timeout and a deadline),
+checks it against the hub's hash (never a peer's word), and writes the snapshot links
+and ref as ``snapshot_download`` would. Progress comes as Ollama's ``/api/pull``
+status objects, which the CLI draws as a bar and the gateway streams as they are.
+Pulls run on their own threads (``Pulls``), so no download ever holds up the control
+plane.
 
 A leaf: the CLI, the gateway and the supervisor use it; it imports nothing of theirs.
 """
@@ -17,15 +21,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlencode
 
+from .names import COMMIT, is_blob, loggable
 from .sources import ALLOW_PATTERNS, SourceError, _check_repo_id, source_kind
+from .units import fmt_bytes
 
 Event = dict[str, Any]  # one of Ollama's /api/pull status objects
 #: Where a node serves what it holds to the other nodes of its fleet (fleet key).
@@ -44,7 +51,7 @@ class PullError(RuntimeError):
 
 @dataclass
 class RemoteFile:
-    """A file of the checkpoint as the hub lists it."""
+    """A file of the checkpoint as the hub lists it (checked: ``remote_file``)."""
 
     name: str
     size: int
@@ -56,26 +63,86 @@ class RemoteFile:
         return f"sha256:{self.sha256}" if self.sha256 else f"git:{self.blob}"
 
 
+#: The largest file a listing may name (a checkpoint's shards are a few GB each).
+MAX_FILE_BYTES = 1 << 40
+
+
+def remote_file(name: Any, size: Any, blob: Any, sha256: Any, who: str) -> RemoteFile:
+    """One listed file, checked before any path is built from it: a relative name with
+    no ``..`` (it becomes a link under the snapshot), a blob that is a hex digest (it
+    becomes a file under ``blobs/``), a sane size. ``who`` (the hub, node X) is named in
+    the error: a listing that fails this is refused whole."""
+    parts = name.split("/") if isinstance(name, str) else []
+    bad = (not parts or not all(parts) or any(p in (".", "..") for p in parts)
+           or "\\" in name or "\0" in name or len(name) > 512)
+    if bad:
+        raise PullError(f"{who} listed a file name that is not a plain relative path: "
+                        f"{loggable(name)}; refused")
+    if not is_blob(blob) or (sha256 is not None and (not is_blob(sha256) or sha256 != blob)):
+        raise PullError(f"{who} listed {loggable(name)} with a blob that is not a hex "
+                        f"digest: {loggable(blob)}; refused")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+        raise PullError(f"{who} listed {loggable(name)} with an impossible size "
+                        f"{loggable(size)}; refused")
+    return RemoteFile(name, size, blob, sha256)
+
+
 @dataclass(frozen=True)
 class Peer:
-    """Another node of the fleet that may hold a source: its URL and the headers that
-    prove this node to it (the fleet key)."""
+    """Another node of the fleet that may hold a source: its URL, and what signs this
+    node's requests to it and checks its answers (the fleet key; None: a keyless
+    loopback fleet)."""
 
     name: str
     url: str
-    headers: tuple[tuple[str, str], ...] = ()
+    me: str = ""
+    key: Optional[str] = None
+
+    def headers(self, url: str) -> dict[str, str]:
+        from urllib.parse import urlsplit
+
+        from .fleet_auth import FORWARDED_HEADER, sign
+
+        if not self.key:
+            return {FORWARDED_HEADER: self.me}
+        u = urlsplit(url)
+        return sign(self.key, self.me, "GET", u.path + (f"?{u.query}" if u.query else ""))
+
+    def signed(self, sent: dict[str, str], status: int, body: bytes, answer: Any) -> bool:
+        from .fleet_auth import AUTH_HEADER, answer_ok
+
+        return bool(self.key) and answer_ok(self.key, sent, status, body,
+                                            answer.get(AUTH_HEADER))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one pull may take (the server's ``pull_*`` settings)."""
+
+    idle_timeout: float = 60.0  # seconds without a byte
+    timeout: float = 12 * 3600.0  # seconds for the whole pull
+    free_margin: int = 1 << 30  # bytes of disk a pull leaves free
+    peer_without_hub: bool = False  # trust a peer's signed listing when the hub is down
+
+    @staticmethod
+    def of(settings: Any) -> Limits:
+        if settings is None:
+            return Limits()
+        return Limits(settings.pull_idle_timeout, settings.pull_timeout,
+                      settings.pull_free_margin_mb << 20, settings.peer_copy_without_hub)
 
 
 def pull(source: str, revision: Optional[str] = None,
          on_event: Callable[[Event], None] = lambda e: None, peers: tuple[Peer, ...] = (),
-         rate: int = 0) -> Path:
+         rate: int = 0, limits: Limits = Limits()) -> Path:
     """Bring ``source`` onto this machine (a no-op when it is there) and return its
-    directory; progress goes to ``on_event``. ``peers``: nodes asked first (the hub only
-    when none has it); ``rate``: bytes per second at most from a peer (0: no cap).
-    Raises ``PullError``."""
+    directory; progress goes to ``on_event``. The hub's listing says which files, of
+    what size and hash (a peer's bytes are checked against it, never against the
+    peer's word); ``peers``: nodes asked for the bytes first (the hub when none has
+    them); ``rate``: bytes per second at most from a peer (0: no cap). Raises
+    ``PullError``."""
     kind = source_kind(source)
     on_event({"status": "pulling manifest"})
-    _quiet_hub()
     if kind != "hf":
         from .sources import resolve_source
 
@@ -89,29 +156,71 @@ def pull(source: str, revision: Optional[str] = None,
         _check_repo_id(source)
     except SourceError as e:
         raise PullError(str(e), 400) from None
-    for peer in peers:
-        listing = _peer_listing(peer, source, revision)
-        if listing is None:
-            continue
-        try:
-            return _from_peer(peer, source, revision, listing, on_event, rate)
-        except PullError as e:  # a node that went away, or bytes that did not check out
-            on_event({"status": f"from node {peer.name} failed ({e}); trying the hub"})
-    commit, files = _listing(source, revision)
+    deadline = time.monotonic() + limits.timeout
+    try:
+        commit, files = _listing(source, revision)
+    except PullError as e:
+        signed = _signed_peer_listing(peers, source, revision) \
+            if e.status == 502 and limits.peer_without_hub else None
+        if signed is None:
+            raise
+        on_event({"status": f"the hub cannot be reached: using node {signed[0].name}'s "
+                            "signed listing"})
+        commit, files = signed[1]
     blobs = _repo_dir(source) / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        if f.sha256:  # the weights: resumable, verified before they enter the cache
-            fetch_blob(hub_url(source, f.name, commit), f, blobs, on_event)
+    _check_space(source, blobs, files, limits.free_margin)
+    for peer in peers:
+        if not _peer_holds(peer, source, commit, files):
+            continue
+        on_event({"status": f"pulling from node {peer.name}"})
+        try:
+            for f in files:
+                url = f"{peer.url}{PEER_ROUTE}/file?" + urlencode(
+                    {"source": source, "commit": commit, "name": f.name})
+                fetch_blob(url, f, blobs, on_event, peer=peer, rate=rate, limits=limits,
+                           deadline=deadline)
+            break
+        except PullError as e:  # a node that went away, or bytes that did not check out
+            on_event({"status": f"from node {peer.name} failed ({e}); trying the hub"})
+    for f in files:  # what no node gave: from the hub (files already here are skipped)
+        fetch_blob(hub_url(source, f.name, commit), f, blobs, on_event, limits=limits,
+                   deadline=deadline)
     on_event({"status": "verifying sha256 digest"})
-    path = _snapshot(source, commit, files)  # the small files, and the links
-    for f in files:
-        if not f.sha256:
-            on_event(_file_event(f, f.size))
+    path = _link_snapshot(source, commit, files)
     on_event({"status": "writing manifest"})
     _write_ref(source, revision, commit)
     on_event({"status": "success"})
     return path
+
+
+def _check_space(source: str, blobs: Path, files: list[RemoteFile], margin: int) -> None:
+    """Refuse a pull that would leave less than ``margin`` bytes free, before any byte."""
+    need = 0
+    for f in files:
+        if not (blobs / f.blob).exists():
+            part = blobs / f"{f.blob}.incomplete"
+            need += f.size - (part.stat().st_size if part.exists() else 0)
+    free = shutil.disk_usage(blobs).free
+    if need + margin > free:
+        raise PullError(f"{source}: needs {fmt_bytes(need)} more on disk and "
+                        f"{fmt_bytes(free)} is free (a pull leaves {fmt_bytes(margin)} free: "
+                        "pull_free_margin_mb); free some space with `mlxfleet rm`", 507)
+
+
+def _link_snapshot(source: str, commit: str, files: list[RemoteFile]) -> Path:
+    """The cache's ``snapshots/<commit>/<name>`` links to the blobs, as
+    ``snapshot_download`` writes them; every path checked to stay in the repo's folder."""
+    repo = _repo_dir(source).resolve()
+    snap = repo / "snapshots" / commit
+    for f in files:
+        link = snap / f.name
+        if repo not in link.resolve().parents:  # a name remote_file let through: never
+            raise PullError(f"{loggable(f.name)} would be written outside the cache")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(repo / "blobs" / f.blob, link.parent))
+    return snap
 
 
 def _write_ref(source: str, revision: Optional[str], commit: str) -> None:
@@ -120,55 +229,71 @@ def _write_ref(source: str, revision: Optional[str], commit: str) -> None:
     ref = revision or "main"
     if ref != commit:
         refs = _repo_dir(source) / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        (refs / ref).write_text(commit)
+        path = (refs / ref).resolve()
+        if refs.resolve() not in path.parents:
+            raise PullError(f"revision {loggable(ref)} is not a branch or tag name", 400)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(commit)
 
 
-def _peer_listing(peer: Peer, source: str, revision: Optional[str]
-                  ) -> Optional[tuple[str, list[RemoteFile]]]:
-    """What ``peer`` holds of ``source`` at ``revision``: (commit, files), or None."""
+def _peer_get(peer: Peer, source: str, revision: Optional[str]) -> Optional[dict]:
+    """``peer``'s listing of ``source`` (a JSON object), with whether it signed it."""
     import httpx
 
+    url = f"{peer.url}{PEER_ROUTE}/listing?" + urlencode(
+        {"source": source, **({"revision": revision} if revision else {})})
+    sent = peer.headers(url)
     try:
-        r = httpx.get(f"{peer.url}{PEER_ROUTE}/listing", headers=dict(peer.headers),
-                      params={"source": source, **({"revision": revision} if revision
-                                                   else {})}, timeout=10)
+        r = httpx.get(url, headers=sent, timeout=10)
         if r.status_code != 200:
             return None
         data = r.json()
-        return data["commit"], [RemoteFile(f["name"], int(f["size"]), f["blob"],
-                                           f.get("sha256")) for f in data["files"]]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, ValueError):
         return None
+    if not isinstance(data, dict):
+        return None
+    data["_signed"] = peer.signed(sent, r.status_code, r.content, r.headers)
+    return data
 
 
-def _from_peer(peer: Peer, source: str, revision: Optional[str],
-               listing: tuple[str, list[RemoteFile]], on_event: Callable[[Event], None],
-               rate: int) -> Path:
-    """Every file from ``peer`` (ranged, resumable, each checked against its hash: the
-    SHA-256 of weights, the git object id of the rest), then the cache's snapshot links
-    and ref written as ``snapshot_download`` would have."""
-    from urllib.parse import urlencode
+def _peer_files(peer: Peer, data: dict) -> tuple[str, list[RemoteFile]]:
+    commit = data.get("commit")
+    if not isinstance(commit, str) or not COMMIT.match(commit):
+        raise PullError(f"node {peer.name} listed a commit that is not a commit id")
+    files = data.get("files")
+    if not isinstance(files, list) or len(files) > 10_000:
+        raise PullError(f"node {peer.name} sent a listing without files")
+    return commit, [remote_file(f.get("name"), f.get("size"), f.get("blob"), f.get("sha256"),
+                                f"node {peer.name}") for f in files if isinstance(f, dict)]
 
-    commit, files = listing
-    on_event({"status": f"pulling from node {peer.name}"})
-    repo = _repo_dir(source)
-    blobs = repo / "blobs"
-    blobs.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        query = urlencode({"source": source, "commit": commit, "name": f.name})
-        fetch_blob(f"{peer.url}{PEER_ROUTE}/file?{query}", f, blobs, on_event,
-                   dict(peer.headers), rate=rate)
-    snap = repo / "snapshots" / commit
-    for f in files:
-        link = snap / f.name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.exists():
-            link.symlink_to(os.path.relpath(blobs / f.blob, link.parent))
-    on_event({"status": "writing manifest"})
-    _write_ref(source, revision, commit)
-    on_event({"status": "success"})
-    return snap
+
+def _peer_holds(peer: Peer, source: str, commit: str, files: list[RemoteFile]) -> bool:
+    """Whether ``peer`` holds every file of ``source`` at ``commit``, as the hub lists
+    them (same names, same blobs)."""
+    data = _peer_get(peer, source, commit)
+    if data is None:
+        return False
+    try:
+        its_commit, its_files = _peer_files(peer, data)
+    except PullError:
+        return False
+    theirs = {(f.name, f.blob) for f in its_files}
+    return its_commit == commit and all((f.name, f.blob) in theirs for f in files)
+
+
+def _signed_peer_listing(peers: tuple[Peer, ...], source: str, revision: Optional[str]
+                         ) -> Optional[tuple[Peer, tuple[str, list[RemoteFile]]]]:
+    """With the hub down (and ``peer_copy_without_hub``): the first listing a node of
+    the fleet signed with the fleet key."""
+    for peer in peers:
+        data = _peer_get(peer, source, revision)
+        if data is None or not data.get("_signed"):
+            continue
+        try:
+            return peer, _peer_files(peer, data)
+        except PullError:
+            continue
+    return None
 
 
 def snapshot_listing(source: str, revision: Optional[str] = None) -> Optional[dict]:
@@ -195,7 +320,7 @@ def snapshot_file(source: str, commit: str, name: str) -> Optional[Path]:
     """One file of a snapshot this machine holds (for a peer), never outside it."""
     from .sources import local_dir
 
-    if source_kind(source) != "hf" or not re.fullmatch(r"[0-9a-f]{40}", commit):
+    if source_kind(source) != "hf" or not COMMIT.match(commit):
         return None
     d = local_dir(source, commit)
     if d is None or d.name != commit:
@@ -217,22 +342,26 @@ def hub_url(repo: str, name: str, commit: str) -> str:
 
 
 def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event], None],
-               headers: Optional[dict] = None, attempts: int = 2, rate: int = 0) -> Path:
-    """One LFS file into the cache's ``blobs/<sha256>``: ranged GETs that continue a
-    ``<sha256>.incomplete`` left by an earlier pull, the whole checked against its
-    SHA-256 before it is moved in; a mismatch is deleted and fetched again once.
+               peer: Optional[Peer] = None, attempts: int = 2, rate: int = 0,
+               limits: Limits = Limits(), deadline: Optional[float] = None) -> Path:
+    """One file into the cache's ``blobs/<digest>``: ranged GETs that continue a
+    ``<digest>.incomplete`` left by an earlier pull, the whole checked against its hash
+    (SHA-256, or the git object id of a small file) before it is moved in; a mismatch
+    is deleted and fetched again once. ``peer``: the node asked (its requests signed),
+    else the hub.
 
     Hand-written on purpose: huggingface_hub 2.x downloads into a fresh temporary file
     each time (huggingface_hub#4228) and deletes it on failure, so a pull of tens of
-    gigabytes killed near the end would start again from zero. The rest of the
-    checkpoint still comes through ``snapshot_download``, which finds these blobs in
-    place and links them into the snapshot."""
-
+    gigabytes killed near the end would start again from zero; and every byte it writes
+    is bounded here by the size the hub listed, under the cache's folder."""
+    if not is_blob(f.blob):  # remote_file checked it: never a path
+        raise PullError(f"{loggable(f.blob)} is not a blob name")
     final = blobs / f.blob
     if final.exists():
         on_event(_file_event(f, f.size))
         return final
     part = blobs / f"{f.blob}.incomplete"
+    deadline = deadline or time.monotonic() + limits.timeout
     for _ in range(attempts):
         start = part.stat().st_size if part.exists() else 0
         if start > f.size:
@@ -240,7 +369,7 @@ def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event],
             start = 0
         on_event(_file_event(f, start))
         if start < f.size:
-            _get_range(url, part, start, f, headers, on_event, rate)
+            _get_range(url, part, start, f, peer, on_event, rate, limits, deadline)
         on_event({"status": "verifying sha256 digest", "digest": f.digest})
         if _checks_out(part, f):
             os.replace(part, final)
@@ -251,62 +380,76 @@ def fetch_blob(url: str, f: RemoteFile, blobs: Path, on_event: Callable[[Event],
 
 def _checks_out(part: Path, f: RemoteFile) -> bool:
     """Weights against their SHA-256; other files against their git object id."""
+    if not part.exists() or part.stat().st_size != f.size:
+        return False
     if f.sha256:
         return sha256_file(part) == f.sha256
     data = part.read_bytes()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == f.blob
 
 
-def _get_range(url: str, part: Path, start: int, f: RemoteFile, headers: Optional[dict],
-               on_event: Callable[[Event], None], rate: int = 0) -> None:
-    import httpx
-    from huggingface_hub.utils import build_hf_headers
+#: Bytes written per read: a pull stopped midway keeps all but the last of them.
+_CHUNK = 64 << 10
 
-    h = {**build_hf_headers(), **(headers or {})}
+
+def _get_range(url: str, part: Path, start: int, f: RemoteFile, peer: Optional[Peer],
+               on_event: Callable[[Event], None], rate: int, limits: Limits,
+               deadline: float) -> None:
+    """Append bytes ``start..f.size`` of ``url`` to ``part``: never more than listed, no
+    longer than ``limits.idle_timeout`` without a byte or past ``deadline``."""
+    import httpx
+
+    if peer is not None:
+        h = peer.headers(url)  # never the hub's token: a peer is not the hub
+    else:
+        from huggingface_hub.utils import build_hf_headers
+
+        h = build_hf_headers()
     if start:
         h["Range"] = f"bytes={start}-"
+    who = f"node {peer.name}" if peer is not None else "the hub"
     sent = time.monotonic()
     try:
         with httpx.stream("GET", url, headers=h, follow_redirects=True,
-                          timeout=httpx.Timeout(60, connect=10)) as r:
+                          timeout=httpx.Timeout(limits.idle_timeout, connect=10)) as r:
             if r.status_code == 200 and start:  # the server ignored the range: restart
                 start = 0
             elif r.status_code not in (200, 206):
-                raise PullError(f"{f.name}: HTTP {r.status_code} from {url}")
+                raise PullError(f"{f.name}: HTTP {r.status_code} from {who}")
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and start + int(length) > f.size:
+                raise PullError(f"{f.name}: {who} would send {start + int(length)} bytes; "
+                                f"it is listed at {f.size}; refused")
             done = start
             began = time.monotonic()
             with open(part, "ab" if start else "wb") as out:
-                for chunk in r.iter_bytes(1 << 20):
+                for chunk in r.iter_bytes(_CHUNK):
+                    if done + len(chunk) > f.size:
+                        out.truncate(start)
+                        raise PullError(f"{f.name}: {who} sent more than the {f.size} "
+                                        "bytes it is listed at; stopped")
                     out.write(chunk)
                     done += len(chunk)
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise PullError(f"{f.name}: the pull took longer than "
+                                        f"{limits.timeout:g}s (pull_timeout); pull again "
+                                        "to continue where it stopped", 504)
                     if rate:  # a peer's bandwidth is its users' too: stay under the cap
-                        ahead = (done - start) / rate - (time.monotonic() - began)
+                        ahead = (done - start) / rate - (now - began)
                         if ahead > 0:
                             time.sleep(ahead)
-                    if time.monotonic() - sent >= PROGRESS_INTERVAL:
-                        sent = time.monotonic()
+                    if now - sent >= PROGRESS_INTERVAL:
+                        sent = now
                         on_event(_file_event(f, done))
             on_event(_file_event(f, done))
+    except httpx.TimeoutException:
+        raise PullError(f"{f.name}: {who} sent nothing for {limits.idle_timeout:g}s "
+                        "(pull_idle_timeout); pull again to continue where it stopped",
+                        504) from None
     except httpx.HTTPError as e:
-        raise PullError(f"{f.name}: download broke off ({e or type(e).__name__}); pull again "
-                        "to continue where it stopped") from None
-
-
-def _snapshot(repo: str, revision: str, files: list[RemoteFile]) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo, revision=revision,
-                                      allow_patterns=[f.name for f in files]))
-    except Exception as e:  # noqa: BLE001 - the hub's many errors: one message
-        raise PullError(f"{repo}: download failed: {e}") from None
-
-
-def _quiet_hub() -> None:
-    """No tqdm bars from huggingface_hub on our stderr: progress is ours to report."""
-    from huggingface_hub.utils import disable_progress_bars
-
-    disable_progress_bars()
+        raise PullError(f"{f.name}: download from {who} broke off ({e or type(e).__name__});"
+                        " pull again to continue where it stopped") from None
 
 
 def _listing(repo: str, revision: Optional[str]) -> tuple[str, list[RemoteFile]]:
@@ -317,22 +460,29 @@ def _listing(repo: str, revision: Optional[str]) -> tuple[str, list[RemoteFile]]
         GatedRepoError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
+        disable_progress_bars,
         filter_repo_objects,
     )
 
+    disable_progress_bars()  # progress is ours to report
     api = HfApi()
     try:
         commit = api.repo_info(repo, revision=revision).sha
+        if not isinstance(commit, str) or not COMMIT.match(commit):
+            raise PullError(f"{repo}: the hub answered with a commit that is not a commit "
+                            f"id: {loggable(commit)}")
         tree = [f for f in api.list_repo_tree(repo, recursive=True, revision=commit)
                 if isinstance(f, RepoFile)]
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError,
             EntryNotFoundError) as e:
         raise PullError(f"{repo}: not found on the hub ({type(e).__name__})", 404) from None
+    except PullError:
+        raise
     except Exception as e:  # noqa: BLE001 - the hub's many network errors: one message
         raise PullError(f"{repo}: cannot reach the hub: {e}", 502) from None
     wanted = set(filter_repo_objects([f.path for f in tree], allow_patterns=ALLOW_PATTERNS))
-    files = [RemoteFile(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id,
-                        f.lfs.sha256 if f.lfs else None)
+    files = [remote_file(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id,
+                         f.lfs.sha256 if f.lfs else None, "the hub")
              for f in tree if f.path in wanted]
     if not any(f.name.endswith(".safetensors") for f in files):
         raise PullError(f"{repo}: no safetensors weights in this repository (MLX loads "
@@ -446,9 +596,9 @@ class Pull:
         self.task = asyncio.create_task(self._run(pulls), name=f"pull:{source}")
 
     async def _run(self, pulls: Pulls) -> None:
+        self.status = "queued"  # (the dashboard shows it; no event: clients see the pull)
         try:
-            self.path = await asyncio.to_thread(pull, self.source, self.revision,
-                                                self._from_thread, pulls.peers(), pulls.rate)
+            self.path = await self._loop.run_in_executor(pulls.pool, self._pull, pulls)
         except PullError as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - any failure is this pull's, reported
@@ -459,6 +609,10 @@ class Pull:
             self._done.set()
             for q in self._watchers:
                 q.put_nowait(None)
+
+    def _pull(self, pulls: Pulls) -> Path:
+        return pull(self.source, self.revision, self._from_thread, pulls.peers(), pulls.rate,
+                    pulls.limits)
 
     def _from_thread(self, event: Event) -> None:
         self._loop.call_soon_threadsafe(self._publish, event)
@@ -507,12 +661,17 @@ class Pull:
 
 
 class Pulls:
-    """The pulls running on this machine: one per source, however many ask for it.
-    ``peers``: the other nodes to ask first (a fleet's), ``rate`` their bandwidth cap."""
+    """The pulls running on this machine: one per source, however many ask for it, at
+    most ``concurrency`` at once on threads of their own (the default pool also runs
+    apply, delete and the store's listings: six slow pulls there froze them for
+    minutes). ``peers``: the other nodes to ask first (a fleet's), ``rate`` their
+    bandwidth cap, ``limits`` each pull's timeouts and disk margin."""
 
-    def __init__(self, peers: Callable[[], tuple[Peer, ...]] = tuple, rate: int = 0) -> None:
+    def __init__(self, peers: Callable[[], tuple[Peer, ...]] = tuple, rate: int = 0,
+                 limits: Limits = Limits(), concurrency: int = 2) -> None:
         self.active: dict[tuple[str, Optional[str]], Pull] = {}
-        self.peers, self.rate = peers, rate
+        self.peers, self.rate, self.limits = peers, rate, limits
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="pull")
 
     def start(self, source: str, revision: Optional[str] = None) -> Pull:
         key = (source, revision)

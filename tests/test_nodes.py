@@ -176,13 +176,26 @@ def test_a_model_that_fits_nowhere_is_refused_with_the_reason(nodes):
 
 
 def test_the_fleet_key_is_required_between_nodes(nodes):
+    from mlxfleet.fleet_auth import AUTH_HEADER, answer_ok, sign
+
     url = nodes["a"].url
     assert httpx.get(url + "/mlxfleet/v1/node", timeout=5).status_code == 401
-    r = httpx.get(url + "/mlxfleet/v1/node", headers={"X-Mlxfleet-Fleet-Key": "wrong"},
-                  timeout=5)
+    r = httpx.get(url + "/mlxfleet/v1/node", timeout=5,
+                  headers=sign("wrong", "b", "GET", "/mlxfleet/v1/node"))
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_fleet_key"
-    r = httpx.get(url + "/mlxfleet/v1/node", headers={"X-Mlxfleet-Fleet-Key": KEY}, timeout=5)
+    signed = sign(KEY, "b", "GET", "/mlxfleet/v1/node")
+    r = httpx.get(url + "/mlxfleet/v1/node", headers=signed, timeout=5)
     assert r.status_code == 200 and r.json()["name"] == "a"
+    # the answer is signed back; the key itself never crossed the wire
+    assert answer_ok(KEY, signed, 200, r.content, r.headers.get(AUTH_HEADER))
+    assert KEY not in str(signed) and KEY not in str(r.headers)
+    # a replayed request (a captured one, sent again) is refused
+    r = httpx.get(url + "/mlxfleet/v1/node", headers=signed, timeout=5)
+    assert r.status_code == 401 and "replayed" in r.json()["error"]["message"]
+    # a signature for one route does not open another
+    r = httpx.get(url + "/mlxfleet/v1/store/listing?source=acme/x", timeout=5,
+                  headers=sign(KEY, "b", "GET", "/mlxfleet/v1/node"))
+    assert r.status_code == 401
     # a request that claims to come from a node without the key is refused, not served
     r = httpx.post(url + "/v1/chat/completions", headers={"X-Mlxfleet-Forwarded-By": "b"},
                    json={"model": "free1", "messages": [{"role": "user", "content": "x"}]},

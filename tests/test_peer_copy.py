@@ -72,12 +72,16 @@ def test_a_node_copies_weights_from_the_node_that_has_them(nodes, hub):
 
 
 def test_the_peer_routes_need_the_fleet_key(nodes):
+    from urllib.parse import urlencode
+
+    from mlxfleet.fleet_auth import sign
+
     r = httpx.get(nodes["a"].url + "/mlxfleet/v1/store/listing",
                   params={"source": "acme/tiny"}, timeout=10)
     assert r.status_code == 401
-    r = httpx.get(nodes["a"].url + "/mlxfleet/v1/store/file", params={
-        "source": "acme/tiny", "commit": "0" * 40, "name": "../../../etc/passwd"},
-        headers={"X-Mlxfleet-Fleet-Key": KEY, "X-Mlxfleet-Forwarded-By": "b"}, timeout=10)
+    target = "/mlxfleet/v1/store/file?" + urlencode({
+        "source": "acme/tiny", "commit": "0" * 40, "name": "../../../etc/passwd"})
+    r = httpx.get(nodes["a"].url + target, headers=sign(KEY, "b", "GET", target), timeout=10)
     assert r.status_code == 404
 
 
@@ -101,7 +105,8 @@ def test_a_copy_killed_midway_continues_where_it_stopped(nodes, hub):
     c.start()
     assert ollama.Client(host=c.url).pull("acme/big", stream=False).status == "success"
     assert weight_gets(hub) == gets  # all of it from node a, none from the hub
-    served = [ln for ln in a.logs().splitlines() if "acme/big model.safetensors from byte" in ln]
+    served = [ln for ln in a.logs().splitlines()
+              if "'acme/big' 'model.safetensors' from byte" in ln]
     assert served[0].split("from byte ")[1].startswith("0 "), served
     resumed = int(served[-1].split("from byte ")[1].split()[0])
     assert resumed > 8 << 20, served

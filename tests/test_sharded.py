@@ -39,8 +39,10 @@ def answer(node: Fleet, model: str, prompt: str, max_tokens: int = 24) -> str:
 
 def follower_pid(node: Fleet) -> int:
     """The pid of the rank worker ``node`` runs for 'sharded' (from its node report)."""
-    rep = httpx.get(node.url + "/mlxfleet/v1/node", headers={"X-Mlxfleet-Fleet-Key": KEY},
-                    timeout=5).json()
+    from mlxfleet.fleet_auth import sign
+
+    rep = httpx.get(node.url + "/mlxfleet/v1/node", timeout=5,
+                    headers=sign(KEY, "test", "GET", "/mlxfleet/v1/node")).json()
     st = {m["name"]: m for m in rep["models"]}.get("sharded") or {}
     return st.get("pid") if st.get("ready") else None
 

@@ -41,11 +41,14 @@ async def _from_node(supervisor: Any, node: str, method: str, rid: str, owner: s
     if url is None:
         return None
     try:
-        r = await fleet.client.request(method, f"{url}/v1/responses/{rid}", timeout=10,
-                                       headers={**fleet.headers(), OWNER_HEADER: owner})
+        req = fleet.sign(fleet.client.build_request(
+            method, f"{url}/v1/responses/{rid}", timeout=10, headers={OWNER_HEADER: owner}))
+        r = await fleet.client.send(req)
     except httpx.HTTPError:
         return None
-    return r.json() if r.status_code == 200 else None
+    if r.status_code != 200 or not fleet.answer_ok(req, r.status_code, r.content, r.headers):
+        return None  # not found, or not an answer of this fleet's
+    return r.json()
 
 
 def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:

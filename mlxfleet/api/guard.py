@@ -10,7 +10,16 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Optional
 
 from quart import Quart, g, request
+from quart.wrappers.response import DataBody
 
+from ..fleet_auth import (
+    AUTH_HEADER,
+    FORWARDED_HEADER,
+    FleetAuthError,
+    Signed,
+    Verifier,
+    sign_answer,
+)
 from ..wire import APIError
 
 #: Routes anyone may call: liveness for load balancers; /metrics is opt-in and documented
@@ -115,7 +124,8 @@ def cross_origin(headers: Mapping[str, str]) -> Optional[str]:
 class Guard:
     """Client keys for inference and reads; admin keys (default: the client keys) for
     control-API writes, which without any key are accepted from loopback only. In a
-    fleet, other nodes present the fleet key instead (they checked their client's key).
+    fleet, other nodes sign their requests with the fleet key instead (they checked
+    their client's key): ``fleet_auth``.
 
     Framework-free: the Quart routes and the gateway's lean model routes both call it."""
 
@@ -125,6 +135,7 @@ class Guard:
                  more_hosts: Callable[[], Iterable[str]] = tuple,
                  origins: Iterable[str] = ()):
         self.api_keys, self.fleet_key, self.fleet = api_keys, fleet_key, fleet
+        self.verifier = Verifier(fleet_key) if fleet_key else None
         self.hosts, self.more_hosts = hosts, more_hosts
         self.origins = [o.rstrip("/").lower() for o in origins]
         self.limiter = RateLimiter(rate_limit) if rate_limit > 0 else None
@@ -132,9 +143,10 @@ class Guard:
         self.any_key = api_keys + [k for k in self.admin_keys if k not in api_keys]
 
     def check(self, path: str, method: str, headers: Mapping[str, str],
-              remote_addr: str) -> Optional[str]:
-        """Raise the APIError that refuses this request, if any. Returns the forwarding
-        node's name when another node of the fleet sent it, else None."""
+              remote_addr: str, target: str = "") -> Optional[Signed]:
+        """Raise the APIError that refuses this request, if any. Returns who sent it
+        when another node of the fleet did (``target``: the path and query as sent,
+        which its signature covers), else None."""
         if path in OPEN_ROUTES:
             return None  # liveness and metrics
         self._check_host(headers)
@@ -143,13 +155,18 @@ class Guard:
         if method in _WRITES:
             self._check_origin(headers, path.startswith(CONTROL_PREFIX)
                                or path in STORE_WRITES)
-        sender = self._from_node(headers, remote_addr) if self.fleet else None
+        sender = self._from_node(headers, remote_addr, method, target or path) \
+            if self.fleet else None
         if sender is not None and self.fleet_key:
             return sender  # another node, proven by the key: it admitted the client already
-        if (path == NODE_ROUTE or path.startswith(PEER_ROUTE)) and self.fleet_key:
-            raise APIError(401, "This route is for the other nodes of the fleet: send the "
-                           "fleet key in X-Mlxfleet-Fleet-Key.", type="authentication_error",
-                           code="invalid_fleet_key")
+        if path == NODE_ROUTE or path.startswith(PEER_ROUTE):
+            if not self.fleet:  # a single machine serves its weights to nobody
+                raise APIError(404, "Not found: this server is not a node of a fleet.",
+                               type="not_found_error", code="not_found")
+            if sender is None:
+                raise APIError(401, "This route is for the other nodes of the fleet: sign "
+                               "the request with the fleet key.", type="authentication_error",
+                               code="invalid_fleet_key")
         key = presented_key(headers)
         if self.api_keys and not key_ok(key, self.any_key):  # inference and reads
             raise APIError(401, "Invalid or missing API key. Send it as 'Authorization: "
@@ -174,7 +191,7 @@ class Guard:
                                code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
         return sender
 
-    def may_unload(self, headers: Mapping[str, str], sender: Optional[str]) -> bool:
+    def may_unload(self, headers: Mapping[str, str], sender: Optional[Signed]) -> bool:
         """Whether this request may shorten a model's keep-alive or unload it: anyone
         when no key is configured (Ollama's semantics), else admin keys only (a node
         that forwards a request has applied this rule already)."""
@@ -222,23 +239,25 @@ class Guard:
                            "application/json or application/yaml.",
                            code="unsupported_media_type")
 
-    def _from_node(self, headers: Mapping[str, str], remote_addr: str) -> Optional[str]:
-        """The sending node when another node sent this request: it says so, and carries
-        the fleet key when one is set (a wrong or missing key is a 401, never a silent
-        downgrade)."""
-        from ..supervisor.fleet import FLEET_KEY_HEADER, FORWARDED_HEADER
-
+    def _from_node(self, headers: Mapping[str, str], remote_addr: str, method: str,
+                   target: str) -> Optional[Signed]:
+        """Who sent this request when another node did: it says so, and signed it with
+        the fleet key when one is set (a bad or missing signature is a 401, never a
+        silent downgrade)."""
         sender = headers.get(FORWARDED_HEADER.lower())
-        given = headers.get(FLEET_KEY_HEADER.lower())
-        if sender is None and given is None:
+        signature = headers.get(AUTH_HEADER.lower())
+        if sender is None and signature is None:
             return None
-        if self.fleet_key and not key_ok(given, [self.fleet_key]):
-            raise APIError(401, "Invalid or missing fleet key (X-Mlxfleet-Fleet-Key): nodes "
-                           "of a fleet must share MLXFLEET_FLEET_KEY.",
-                           type="authentication_error", code="invalid_fleet_key")
-        if not self.fleet_key and not is_loopback(remote_addr):
+        if self.verifier is not None:
+            try:
+                return self.verifier.check(headers, method, target)
+            except FleetAuthError as e:
+                raise APIError(401, f"Not a node of this fleet: {e}. Nodes of a fleet must "
+                               "share MLXFLEET_FLEET_KEY.", type="authentication_error",
+                               code="invalid_fleet_key") from None
+        if not is_loopback(remote_addr):
             return None  # no key: only nodes on this machine are taken at their word
-        return request_id(sender) if sender else ""
+        return Signed(request_id(sender) if sender else "", "", "")
 
     def _control_write(self, key: Optional[str], remote_addr: str) -> None:
         """Changing the fleet (apply, delete, load, unload) needs an admin key; with no key
@@ -263,18 +282,35 @@ def install_guard(app: Quart, guard: Guard) -> None:
         g.request_id = request_id(request.headers.get("X-Request-Id"))
         g.started = time.perf_counter()
         sender = guard.check(request.path, request.method, request.headers,
-                             request.remote_addr or "")
+                             request.remote_addr or "", target_of(request.scope))
         if sender is not None:
-            g.forwarded_by = sender or None
+            if guard.verifier is not None and not sender.body_ok(await request.get_data()):
+                raise APIError(401, "The body does not match its fleet signature.",
+                               type="authentication_error", code="invalid_fleet_key")
+            g.forwarded_by = sender if sender.sender else None
 
     @app.after_request
     async def _request_id(response):
         response.headers["X-Request-Id"] = getattr(g, "request_id", "")
+        signed = getattr(g, "forwarded_by", None)
+        if signed is not None and guard.fleet_key and isinstance(response.response, DataBody):
+            # another node takes this answer at its word (a report, a listing, a stored
+            # response): it is signed over that request's nonce
+            response.headers[AUTH_HEADER] = sign_answer(
+                guard.fleet_key, signed.nonce, response.status_code,
+                await response.get_data())
         return response
 
 
 NODE_ROUTE = "/mlxfleet/v1/node"
 PEER_ROUTE = "/mlxfleet/v1/store/"  # peer copy: what a node holds, served to the others
+
+
+def target_of(scope: Mapping) -> str:
+    """The request's path and query as sent (what a fleet signature covers)."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    qs = scope.get("query_string") or b""
+    return (raw + (b"?" + qs if qs else b"")).decode("latin-1")
 
 
 def request_id(given: Optional[str]) -> str:

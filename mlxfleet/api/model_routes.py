@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import httpx
 
+from ..fleet_auth import Signed
 from ..names import loggable
 from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
 from ..units import parse_duration
@@ -37,7 +38,7 @@ from ..wire import (
     parse_json_body,
     stream_error,
 )
-from .guard import Guard, request_id
+from .guard import Guard, request_id, target_of
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
 from .ollama import load_or_unload
@@ -81,8 +82,13 @@ class ModelRoutes:
         watcher: Optional[asyncio.Future] = None
         try:
             client = scope.get("client")
-            sender = self.guard.check(path, "POST", headers, client[0] if client else "")
+            sender = self.guard.check(path, "POST", headers, client[0] if client else "",
+                                      target_of(scope))
             raw = await self._body(receive, headers)
+            if sender is not None and self.guard.verifier is not None \
+                    and not sender.body_ok(raw):
+                raise APIError(401, "The body does not match its fleet signature.",
+                               type="authentication_error", code="invalid_fleet_key")
             watcher = asyncio.ensure_future(_hang_up(receive, task))
             await self._serve(path, raw, headers, sender, out)
         except APIError as err:
@@ -124,7 +130,7 @@ class ModelRoutes:
             raise body_too_slow() from None
 
     async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
-                     sender: Optional[str], out: _Reply) -> None:
+                     sender: Optional[Signed], out: _Reply) -> None:
         sup, settings, store = self.sup, self.settings, self.store
         body = parse_json_body(raw)
         model = body.get("model")

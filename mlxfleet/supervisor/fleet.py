@@ -1,7 +1,8 @@
 """This node's view of the fleet: the Node manifests, the other nodes' reports, health.
 
 Each node polls every other node's ``/mlxfleet/v1/node`` (every
-``fleet_poll_interval`` seconds, with the fleet key) and keeps its last answer.
+``fleet_poll_interval`` seconds, signed with the fleet key: ``fleet_auth``) and keeps
+its last answer, taken only when the other node signed it with the same key.
 From those answers and the manifests it builds the inputs of ``placement.place``;
 every node does the same, so every node computes the same placement. A node is
 healthy while it answered within ``fleet_grace`` seconds (a node that never
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import httpx
 
+from ..fleet_auth import AUTH_HEADER, FORWARDED_HEADER, answer_ok, sign
 from ..manifest import LoadedManifest, NodeManifest
 from .placement import ModelView, NodeView, Placement, place
 
@@ -38,10 +40,6 @@ class NodeState(str, Enum):
 
 log = logging.getLogger("mlxfleet.fleet")
 
-FLEET_KEY_HEADER = "X-Mlxfleet-Fleet-Key"
-#: Set on requests one node forwards to another: the receiver serves them itself or
-#: refuses, never forwards again (no loops while placements converge).
-FORWARDED_HEADER = "X-Mlxfleet-Forwarded-By"
 NODE_PATH = "/mlxfleet/v1/node"
 
 
@@ -165,11 +163,24 @@ class Fleet:
 
     # ---- polling -----------------------------------------------------------
 
-    def headers(self) -> dict[str, str]:
-        h = {FORWARDED_HEADER: self.me}
+    def headers(self, method: str, target: str, body: bytes = b"") -> dict[str, str]:
+        """What a request to another node carries: this node's name, signed with the
+        fleet key (``target``: the path and query as sent)."""
         if self.key:
-            h[FLEET_KEY_HEADER] = self.key
-        return h
+            return sign(self.key, self.me, method, target, body)
+        return {FORWARDED_HEADER: self.me}  # no key: loopback fleets only (the guard)
+
+    def sign(self, req: httpx.Request) -> httpx.Request:
+        """``req`` (built, with its body) signed as this node's."""
+        req.headers.update(self.headers(req.method, req.url.raw_path.decode("ascii"),
+                                        req.content))
+        return req
+
+    def answer_ok(self, req: httpx.Request, status: int, body: bytes,
+                  headers: Mapping[str, str]) -> bool:
+        """Whether another node signed its answer to ``req`` (always, with no key)."""
+        return not self.key or answer_ok(self.key, req.headers, status, body,
+                                         headers.get(AUTH_HEADER))
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -186,10 +197,14 @@ class Fleet:
 
     async def _poll(self, p: Peer, timeout: float) -> None:
         try:
-            r = await self.client.get(p.manifest.spec.url + NODE_PATH, headers=self.headers(),
-                                      timeout=timeout)
+            req = self.sign(self.client.build_request(
+                "GET", p.manifest.spec.url + NODE_PATH, timeout=timeout))
+            r = await self.client.send(req)
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
+            if not self.answer_ok(req, r.status_code, r.content, r.headers):
+                raise ValueError(f"{p.manifest.spec.url} did not sign its answer with the "
+                                 "fleet key: not a node of this fleet")
             rep = r.json()
             if rep.get("name") != p.name:
                 raise ValueError(f"{p.manifest.spec.url} answers as node "

@@ -58,8 +58,8 @@ class RemoteWorker(InflightCounter):
                       headers: dict[str, str]) -> httpx.Response:
         url = self.fleet.url(self.node)
         client = self.fleet.client
-        req = client.build_request(method, url + path, content=body,
-                                   headers={**headers, **self.fleet.headers()})
+        req = self.fleet.sign(client.build_request(method, url + path, content=body,
+                                                   headers=headers))
         try:  # straight to the pooled transport, as WorkerProcess.forward does
             resp = await self.fleet.transport.handle_async_request(req)
         except httpx.ConnectError as e:
@@ -196,10 +196,9 @@ class RemoteModel:
         streamed answer, or its error as an ``APIError``."""
         self.check()
         fleet = self.fleet
-        req = fleet.client.build_request(
+        req = fleet.sign(fleet.client.build_request(
             method, f"{fleet.url(self.node)}/mlxfleet/v1/models/{self.name}/{what}",
-            headers=fleet.headers(), params=params,
-            timeout=httpx.Timeout(timeout, connect=5))
+            params=params, timeout=httpx.Timeout(timeout, connect=5)))
         try:
             r = await fleet.client.send(req, stream=True)
         except httpx.HTTPError as e:

@@ -22,7 +22,7 @@ from ..manifest import (
 )
 from ..names import loggable
 from ..settings import ServerSettings
-from ..store import Pulls
+from ..store import Limits, Pulls
 from ..units import fmt_bytes
 from .admission import Acquire, AdmissionError, Lease
 from .handle import WorkerHandle
@@ -116,7 +116,8 @@ class Supervisor(FleetMembership):
         self._estimates: dict[str, int] = {}
         self._ranks: dict[str, tuple[int, tuple[str, ...]]] = {}  # sharded models run here
         # downloads running on this machine; in a fleet, nodes that hold a source first
-        self.pulls = Pulls(self._peers, settings.peer_copy_rate_mb << 20)
+        self.pulls = Pulls(self._peers, settings.peer_copy_rate_mb << 20,
+                           Limits.of(settings), settings.pull_concurrency)
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
@@ -352,7 +353,7 @@ class Supervisor(FleetMembership):
         f = self.fleet
         if f is None:
             return ()
-        return tuple(Peer(n, f.url(n), tuple(f.headers().items())) for n in sorted(f.peers)
+        return tuple(Peer(n, f.url(n), f.me, f.key) for n in sorted(f.peers)
                      if f.healthy(n) and f.url(n))
 
     async def _fetch(self, rt: ModelRuntime) -> None:
