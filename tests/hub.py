@@ -8,6 +8,11 @@ hashes), and ``/resolve`` with HEAD and ranged GETs. Production keeps the real p
 Knobs for the tests: ``throttle`` (seconds per 64 KiB chunk, so a pull can be caught
 midway), ``corrupt`` (file names whose next GET has its first byte flipped), and
 ``log`` (every request: method, path, Range header).
+
+And a hostile hub's, for the trust-boundary tests: ``lie`` (file name -> fields of its
+listing entry to replace: a ``path`` or LFS ``oid`` that climbs out of the cache, a
+``size``), ``overflow`` (file name -> bytes sent past the file, with no
+Content-Length), ``stall`` (seconds of silence after the headers of a file's GET).
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class Repo:
         return e
 
 
+def _lied(entry: dict, lie: dict) -> dict:
+    entry = {**entry, **{k: v for k, v in lie.items() if k != "oid"}}
+    if "oid" in lie and "lfs" in entry:
+        entry["lfs"] = {**entry["lfs"], "oid": lie["oid"]}
+    return entry
+
+
 def is_lfs(name: str) -> bool:
     return name.endswith(".safetensors")
 
@@ -51,6 +63,9 @@ class Hub:
         self.repos = repos
         self.throttle = 0.0
         self.corrupt: set[str] = set()
+        self.lie: dict[str, dict] = {}
+        self.overflow: dict[str, int] = {}
+        self.stall = 0.0
         self.log: list[tuple[str, str, Optional[str]]] = []
         hub = self
 
@@ -80,6 +95,9 @@ class Hub:
         self.server.shutdown()
         self.server.server_close()
 
+    def _entry(self, repo: Repo, name: str) -> dict:
+        return _lied(repo.entry(name), self.lie.get(name, {}))
+
     # ---- routes -----------------------------------------------------------------------
 
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
@@ -94,7 +112,7 @@ class Hub:
                 return _json(h, 404, {"error": "Repository not found"},
                              {"X-Error-Code": "RepoNotFound"})
             if tree:
-                return _json(h, 200, [repo.entry(n) for n in repo.files])
+                return _json(h, 200, [self._entry(repo, n) for n in repo.files])
             return _json(h, 200, {"id": name, "modelId": name, "sha": repo.commit,
                                   "private": False, "siblings": [
                                       {"rfilename": n} for n in repo.files]})
@@ -114,16 +132,24 @@ class Hub:
         if not head and name in self.corrupt:  # the next GET, whole or resumed
             self.corrupt.discard(name)
             body = bytes([body[0] ^ 0xFF]) + body[1:]
+        extra = self.overflow.get(name, 0)
         h.send_response(206 if start else 200)
         h.send_header("X-Repo-Commit", repo.commit)
         h.send_header("ETag", f'"{etag}"')
-        h.send_header("Content-Length", str(len(body)))
+        if extra and not head:  # more than listed, with no length to give it away
+            body += b"\0" * extra
+            h.send_header("Connection", "close")
+        else:
+            h.send_header("Content-Length", str(len(body)))
         h.send_header("Accept-Ranges", "bytes")
         if start:
             h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         h.end_headers()
         if head:
             return
+        if self.stall:
+            h.wfile.flush()
+            time.sleep(self.stall)
         try:
             for i in range(0, len(body), CHUNK):
                 h.wfile.write(body[i:i + CHUNK])
