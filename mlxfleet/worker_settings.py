@@ -68,6 +68,10 @@ class WorkerConfig(BaseModel):
     warm_prompts: list[list[dict]] = Field(default_factory=list, description="conversations "
                                            "prefilled into the prompt cache at load",
         json_schema_extra=_from(flag=None))
+    warm_prompts_file: Optional[str] = Field(None, description="a JSON file of more such "
+                                             "conversations, read by the worker at load "
+                                             "(a regular file of at most 32 MiB)",
+        json_schema_extra=_from(flag=None))
     kv_bits: Optional[Literal[4, 8]] = Field(None, description="keys and values kept "
                                              "quantized to this many bits (none: full "
                                              "precision)",

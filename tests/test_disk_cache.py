@@ -87,3 +87,30 @@ def test_a_new_source_wipes_the_old_entries(fleet):
 def test_warm_prompts_are_cached_at_load(fleet):
     r = ask(fleet, "warm", "Hello again")
     assert r["cached"] >= 32  # the system prompt came from the warm-up
+
+
+def test_a_warm_prompts_file_that_is_a_fifo_stalls_nothing_and_the_model_serves(fleet):
+    import os
+    import time
+
+    fifo = fleet.dir / "prompts.fifo"
+    os.mkfifo(fifo)
+    fleet.write("fifo.yaml", manifest("fifo", cache={"warmPrompts": "prompts.fifo"}))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3:  # the gateway answers all along (it hung ~23 s)
+        assert httpx.get(fleet.url + "/health", timeout=2).status_code == 200
+        time.sleep(0.2)
+    fleet.wait_ready("fifo")
+    assert fleet.chat("fifo").choices[0].message.content is not None
+    log = httpx.get(f"{fleet.url}/mlxfleet/v1/models/fifo/logs?tail=200", timeout=10).text
+    assert "not a regular file" in log, log[-2000:]
+
+
+def test_a_large_inline_warm_prompt_starts_and_stays_out_of_ps(fleet):
+    secret = "warm-secret-" + "x" * 200_000  # 210 KB: "Argument list too long" before
+    fleet.write("big.yaml", manifest("big", cache={"warmPrompts": [
+        [{"role": "user", "content": secret}]]}))
+    st = fleet.wait_ready("big")
+    with open(f"/proc/{st['pid']}/cmdline", "rb") as f:
+        assert b"warm-secret" not in f.read()  # not on the command line any local user reads
+    (fleet.dir / "big.yaml").unlink()

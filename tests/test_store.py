@@ -252,3 +252,34 @@ def test_a_source_that_cannot_be_pulled_leaves_the_serving_worker_serving(fleet)
     assert cond["Progressing"]["reason"] == "NewWorkerFailed", cond
     assert fleet.chat("moving").choices
     (fleet.dir / "moving.yaml").unlink()
+
+
+def test_slow_pulls_never_hold_up_the_control_plane(fleet, hub):
+    import time
+
+    hub.throttle = 0.5  # 128 KB/s: each pull takes minutes
+    for i in range(6):
+        hub.repos[f"acme/crawl{i}"] = Repo.from_dir(ensure_builtin("tiny-10m"),
+                                                    commit=f"{i}" * 40)
+    try:
+        for i in range(6):  # six at once filled the default thread pool (6 threads here)
+            threading.Thread(target=lambda i=i: httpx.post(
+                fleet.url + "/api/pull", json={"model": f"acme/crawl{i}", "stream": False},
+                timeout=120), daemon=True).start()
+        assert wait_for(lambda: len(httpx.get(fleet.url + "/mlxfleet/v1/sources",
+                                              timeout=10).json()["pulls"]) == 6, 20)
+        t0 = time.monotonic()
+        fleet.write("during.yaml", manifest("during", preload=False))
+        r = httpx.post(fleet.url + "/mlxfleet/v1/manifests", timeout=10,
+                       content=manifest("applied-now", preload=False),
+                       headers={"Content-Type": "application/yaml"})
+        assert r.status_code == 200, r.text
+        assert httpx.get(fleet.url + "/mlxfleet/v1/sources", timeout=10).status_code == 200
+        assert fleet.chat("local").choices[0].message.content is not None
+        assert time.monotonic() - t0 < 8  # (timed out for minutes before)
+        pulls = httpx.get(fleet.url + "/mlxfleet/v1/sources", timeout=10).json()["pulls"]
+        assert sorted(p["status"] == "queued" for p in pulls).count(True) == 4, pulls
+    finally:
+        hub.throttle = 0.0
+        (fleet.dir / "during.yaml").unlink(missing_ok=True)
+        httpx.delete(fleet.url + "/mlxfleet/v1/models/applied-now", timeout=10)

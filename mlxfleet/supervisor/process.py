@@ -55,6 +55,7 @@ class WorkerProcess(InflightCounter):
         self._log_task: Optional[asyncio.Task] = None
         self._logger = _file_logger(log_path, log_max_bytes, log_backups)
         self._uds: Optional[UDSClient] = None  # forwarded requests
+        self._config_path: Optional[Path] = None
 
     @property
     def pid(self) -> Optional[int]:
@@ -116,10 +117,17 @@ class WorkerProcess(InflightCounter):
                **self.manifest.spec.env, PARENT_FD_ENV: str(r), "PYTHONUNBUFFERED": "1"}
         self._logger.info(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker "
                           f"{self.manifest.name} ({self.manifest.spec.source}) ---")
+        # The configuration goes in a file of the private socket folder, not on the
+        # command line: argv is capped (a 210 KB warmPrompts could never start) and any
+        # local user reads it in `ps`.
+        self._config_path = self.socket_path.with_suffix(".json")
+        fd = os.open(self._config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config.model_dump_json())
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "mlxfleet", "worker", "--bind",
-                f"unix:{self.socket_path}", "--config", self.config.model_dump_json(),
+                f"unix:{self.socket_path}", "--config", f"@{self._config_path}",
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(r,),
                 start_new_session=True)  # our signals are ours to forward, not the tty's
@@ -205,6 +213,8 @@ class WorkerProcess(InflightCounter):
             self._uds = None
         if not self.alive:  # a crashed worker leaves its socket file behind
             self.socket_path.unlink(missing_ok=True)
+            if self._config_path is not None:
+                self._config_path.unlink(missing_ok=True)
 
 
 _loggers: dict[str, logging.Logger] = {}

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from ..manifest import Manifest
 from ..worker_settings import SETTINGS, WorkerConfig, cache_budget
-
-log = logging.getLogger("mlxfleet.supervisor")
 
 
 def worker_config(m: Manifest, server: Any = None,
@@ -42,7 +38,10 @@ def worker_config(m: Manifest, server: Any = None,
         fields["disk_cache_bytes"] = s.cache.disk_mb << 20
         fields["disk_cache_dir"] = str(Path(server.state_dir).expanduser() / "prompt-cache"
                                        / m.name)
-    fields["warm_prompts"] = warm_prompts(s.cache.warm_prompts, server)
+    if isinstance(s.cache.warm_prompts, str):  # a file: the worker reads it (never here,
+        fields["warm_prompts_file"] = warm_prompts_path(s.cache.warm_prompts, server)
+    else:  # on the event loop: it may be a FIFO)
+        fields["warm_prompts"] = warm_prompts(s.cache.warm_prompts)
     if rank is not None and s.distributed is not None:
         fields.update(dist_rank=rank[0], dist_hosts=list(rank[1]),
                       dist_backend=s.distributed.backend, dist_strategy=s.distributed.strategy)
@@ -55,22 +54,18 @@ def _at(spec: Any, path: str) -> Any:
     return spec
 
 
-def warm_prompts(value: Any, server: Any = None) -> Optional[list]:
-    """``cache.warmPrompts``: the conversations, or those in a JSON file (a path relative
-    to the manifests folder)."""
+def warm_prompts(value: Any) -> Optional[list]:
+    """``cache.warmPrompts`` written in the manifest: the conversations."""
     if value is None:
         return None
-    if isinstance(value, list):
-        return [[m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
-                 for m in conv] for conv in value]
+    return [[m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m
+             for m in conv] for conv in value]
+
+
+def warm_prompts_path(value: str, server: Any = None) -> str:
+    """``cache.warmPrompts`` naming a JSON file: its path (relative to the manifests
+    folder), which the worker reads when it loads."""
     path = Path(value).expanduser()
     if not path.is_absolute() and server is not None:
         path = Path(server.manifests_dir) / path
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
-            raise ValueError("not a JSON list of message lists")
-    except (OSError, ValueError) as e:  # the model still starts, without warm prompts
-        log.warning("cache.warmPrompts: cannot use %s: %s", path, e)
-        return None
-    return data
+    return str(path)

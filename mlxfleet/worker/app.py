@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, Optional
 
 from quart import Quart, g, request
@@ -374,11 +375,15 @@ class Worker:
         """Prefill ``warm_prompts`` into the prompt cache once the model is loaded (as
         vllm-mlx's --warm-prompts): the first real request with one of those prefixes
         starts from the cache."""
-        if not self.config.warm_prompts:
+        conversations = list(self.config.warm_prompts)
+        if self.config.warm_prompts_file:
+            conversations += await asyncio.to_thread(_warm_file,
+                                                     self.config.warm_prompts_file)
+        if not conversations:
             return
         await self.engine.wait_ready()
         done = 0
-        for messages in self.config.warm_prompts:
+        for messages in conversations:
             try:
                 req = GenRequest(messages=messages, max_tokens=1, temperature=0.0)
                 prompts, _, params, _ = _prepare(self.model_info(), req)
@@ -387,13 +392,33 @@ class Worker:
                 done += 1
             except Exception as e:  # noqa: BLE001 - a bad warm prompt is logged, not fatal
                 log.warning("warm prompt %d skipped: %s", done + 1, e)
-        log.info("warmed the prompt cache with %d of %d prompts", done,
-                 len(self.config.warm_prompts))
+        log.info("warmed the prompt cache with %d of %d prompts", done, len(conversations))
 
     def status(self) -> dict[str, Any]:
         return {"context_length": self.engine.context_length,
                 "inflight_requests": self.inflight, **self.engine.snapshot,
                 "requests": [_request_status(rid, p) for rid, p in self.calls.items()]}
+
+
+#: The largest warm-prompts file read (a FIFO or /dev/zero is refused, not read).
+MAX_WARM_FILE = 32 << 20
+
+
+def _warm_file(path: str) -> list:
+    """The conversations of a ``warmPrompts`` file: a JSON list of message lists; a file
+    that is not one is logged and skipped (the model serves without them)."""
+    import json
+
+    from ..files import read_regular
+
+    try:
+        data = json.loads(read_regular(Path(path), MAX_WARM_FILE))
+        if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
+            raise ValueError("not a JSON list of message lists")
+    except (OSError, ValueError) as e:
+        log.warning("cache.warmPrompts: cannot use %s: %s", path, e)
+        return []
+    return data
 
 
 #: Request fields some protocol acts on (anything else is logged as ignored).
