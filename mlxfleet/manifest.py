@@ -91,6 +91,10 @@ class CacheSpec(_Spec):
         "8 bits (mlx-lm's quantized KV cache): about 3.6x (4) or 1.9x (8) less KV memory "
         "per token, so more sequences and longer prompts fit the budget; models whose "
         "caches are not all plain key/value ones keep full precision (see paths.kv_cache)")
+    scope: Optional[Literal["key", "shared"]] = Field(
+        default=None, description="with API keys configured, whose cached prompts a "
+        "request may reuse: key (default) only its own key's, so no key learns another's "
+        "prompts from cache hits; shared: every key's (one team, one agent prefix)")
     warm_prompts: Union[
         Annotated[list[Annotated[list[WarmMessage], Field(min_length=1, max_length=256)]],
                   Field(max_length=64)],

@@ -116,6 +116,9 @@ class ServerSettings(BaseSettings):
     timeout: float = Field(300.0, gt=0, description="request timeout, seconds (per model: "
                            "spec.limits.timeout)")
     max_body_mb: int = Field(32, gt=0, description="largest request body")
+    max_pending_body_mb: int = Field(256, gt=0, description="request bodies the gateway "
+                                     "holds at once, all requests together; past it a new "
+                                     "request is a 503 before its body is read")
     responses_store_max: int = Field(1000, ge=0, description="stored Responses API "
                                      "responses kept at most (oldest dropped first)")
     responses_store_mb: int = Field(64, ge=0, description="memory stored responses may use")

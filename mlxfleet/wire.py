@@ -95,7 +95,11 @@ def from_validation_error(err: ValidationError) -> APIError:
 
 
 #: Request fields the gateway acts on; workers accept and ignore them.
-GATEWAY_FIELDS = frozenset({"keep_alive", "mlxfleet_history", "mlxfleet_response_id"})
+GATEWAY_FIELDS = frozenset({"keep_alive", "mlxfleet_history", "mlxfleet_response_id",
+                            "cache_salt"})
+#: The prompt-cache scope the gateway gives a request (a hash of its key and
+#: ``cache_salt``): a worker reuses cached prompts only within one scope.
+CACHE_SCOPE_HEADER = "X-Mlxfleet-Cache-Scope"
 
 #: Set by the gateway on a Responses request whose ``input`` already holds the history
 #: that ``previous_response_id`` names (workers keep no responses).

@@ -141,3 +141,122 @@ def test_with_the_hub_down_a_peer_is_not_taken_at_its_word(tiny_repo, tmp_path):
         assert not ok, out
     finally:
         peer.close()
+
+
+# ---- a client: other keys' prompts, logs, floods ------------------------------------
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    from fleet import Fleet, manifest
+
+    f = Fleet(tmp_path_factory.mktemp("trust"), env={
+        "MLXFLEET_API_KEY": "ka,kb,kc", "MLXFLEET_RATE_LIMIT": "30",
+        "MLXFLEET_MAX_BODY_MB": "4", "MLXFLEET_MAX_PENDING_BODY_MB": "8"})
+    f.write("tiny.yaml", manifest("tiny"))
+    try:
+        f.start()
+        f.wait_ready("tiny")
+        yield f
+    finally:
+        f.stop()
+
+
+def _cached(f, key: str, text: str, **extra) -> int:
+    from openai import OpenAI
+
+    r = OpenAI(base_url=f.url + "/v1", api_key=key).chat.completions.create(
+        model="tiny", max_tokens=1, temperature=0, extra_body=extra,
+        messages=[{"role": "user", "content": text}])
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_one_key_cannot_read_another_keys_prompt_from_the_cache(keyed):
+    secret = ("The launch code for the vault is tangerine seven umbrella. " * 6)
+    assert _cached(keyed, "ka", secret) == 0
+    assert _cached(keyed, "ka", secret) > 32  # its own key reuses it
+    assert _cached(keyed, "kb", secret) == 0  # another key learns nothing (was > 0)
+    # cache_salt (vLLM's) splits one key's prompts further
+    assert _cached(keyed, "ka", secret, cache_salt="s1") == 0
+    assert _cached(keyed, "ka", secret, cache_salt="s1") > 32
+
+
+def test_client_strings_cannot_forge_or_flood_log_lines(keyed):
+    import httpx
+
+    h = {"Authorization": "Bearer ka"}
+    forged = "nope\n2026-01-01 00:00:00 INFO mlxfleet: FORGED admin login"
+    r = httpx.post(keyed.url + "/v1/chat/completions", headers=h, timeout=10, json={
+        "model": forged, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404
+    r = httpx.post(keyed.url + "/v1/chat/completions", headers=h, timeout=30, json={
+        "model": "m" * 3_000_000, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and len(r.content) < 10_000  # nor echoed back whole
+    log = keyed.log_path.read_text(errors="replace")
+    assert not any(ln.startswith("2026-01-01 00:00:00 INFO mlxfleet: FORGED")
+                   for ln in log.splitlines())
+    assert max(len(ln) for ln in log.splitlines()) < 5_000  # (3 MB a request before)
+
+
+def test_every_route_that_costs_work_is_rate_limited(keyed):
+    import httpx
+
+    h = {"Authorization": "Bearer kc"}  # a key of its own: its own budget
+    codes = [httpx.post(keyed.url + "/api/show", headers=h, json={"model": "tiny"},
+                        timeout=10).status_code for _ in range(31)]
+    assert codes[:30] == [200] * 30 and codes[30] == 429, codes
+    r = httpx.post(keyed.url + "/api/generate", headers=h, timeout=10, json={
+        "model": "tiny", "prompt": "x", "stream": False})
+    assert r.status_code == 429 and r.headers["retry-after"]  # was served
+
+
+def test_the_rate_limiter_forgets_the_oldest_clients_beyond_its_table():
+    from mlxfleet.api.guard import RateLimiter
+
+    rl = RateLimiter(2, max_clients=100)
+    for i in range(20_000):
+        assert rl.check(f"addr:10.0.{i >> 8}.{i & 255}") is None
+    assert len(rl._hits) == 100
+    assert rl.check("addr:x") is None and rl.check("addr:x") is None
+    assert rl.check("addr:x") is not None  # the recent ones keep their window
+
+
+def _raw(url: str, head: str, body: bytes = b""):
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    s.sendall(head.encode() + body)
+    return s
+
+
+def _status(s) -> int:
+    data = s.recv(65536)
+    return int(data.split(b" ", 2)[1])
+
+
+def test_a_flood_of_large_bodies_is_refused_before_it_is_read(keyed):
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            "Authorization: Bearer kb\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {3 << 20}\r\n\r\n")
+    held = [_raw(keyed.url, head, b"{" + b" " * (1 << 20)) for _ in range(2)]  # 6 MB of 8
+    try:
+        import time
+
+        time.sleep(0.5)
+        third = _raw(keyed.url, head)  # announces 3 MB more, sends nothing
+        assert _status(third) == 503  # answered without a byte of its body
+        third.close()
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_compressed_transfer_coding_is_refused_not_ignored(keyed):
+    s = _raw(keyed.url, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             "Authorization: Bearer kb\r\nContent-Type: application/json\r\n"
+             "Transfer-Encoding: gzip, chunked\r\n\r\n", b"5\r\nxxxxx\r\n0\r\n\r\n")
+    try:
+        assert _status(s) == 501
+    finally:
+        s.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Optional
 
@@ -45,24 +45,29 @@ def key_ok(given: Optional[str], keys: list[str]) -> bool:
 
 
 class RateLimiter:
-    """A sliding one-minute window per client."""
+    """A sliding one-minute window per client, for the ``max_clients`` seen most
+    recently (the least recent is forgotten: O(1) per request, however many addresses
+    a flood comes from; scanning the table made 16,000 addresses 4.5x slower)."""
 
-    def __init__(self, per_minute: int):
-        self.per_minute = per_minute
-        self._hits: dict[str, deque] = {}
+    def __init__(self, per_minute: int, max_clients: int = 4096):
+        self.per_minute, self.max_clients = per_minute, max_clients
+        self._hits: OrderedDict[str, deque] = OrderedDict()
 
     def check(self, client: str) -> Optional[int]:
         """None if allowed, else seconds until the client may retry."""
         now = time.monotonic()
-        q = self._hits.setdefault(client, deque())
+        q = self._hits.get(client)
+        if q is None:
+            q = self._hits[client] = deque()
+            if len(self._hits) > self.max_clients:
+                self._hits.popitem(last=False)
+        else:
+            self._hits.move_to_end(client)
         while q and now - q[0] >= 60:
             q.popleft()
         if len(q) >= self.per_minute:
             return max(1, int(60 - (now - q[0])) + 1)
         q.append(now)
-        if len(self._hits) > 10_000:  # forget idle clients
-            for c in [c for c, d in self._hits.items() if not d]:
-                del self._hits[c]
         return None
 
 
@@ -173,22 +178,24 @@ class Guard:
                            "Bearer KEY' or 'x-api-key: KEY'.", type="authentication_error",
                            code="invalid_api_key",
                            headers={"WWW-Authenticate": 'Bearer realm="mlxfleet"'})
-        if path.startswith(CONTROL_PREFIX) and method in _WRITES:
-            self._control_write(key, remote_addr)
-            self._check_content_type(headers)
-            return sender
-        if path in STORE_WRITES:
-            self._control_write(key, remote_addr)
-            return sender
-        # Without a fleet key anyone on this machine can claim to be a node: such a
-        # request is still only forwarded once, but it is rate limited like any other.
-        if self.limiter and path.startswith("/v1/"):
+        _check_encoding(headers)
+        # Every route that costs work counts (inference on /v1 and Ollama's /api, the
+        # store, control writes); reads of the control API's status (what the dashboard
+        # and the CLI poll, from memory) do not. Without a fleet key anyone on this
+        # machine can claim to be a node: such a request is still only forwarded once,
+        # but it is rate limited like any other.
+        if self.limiter and (method in _WRITES or not path.startswith(CONTROL_PREFIX)):
             client = f"key:{key}" if key and self.api_keys else f"addr:{remote_addr}"
             wait = self.limiter.check(client)
             if wait is not None:
                 raise APIError(429, f"Rate limit of {self.limiter.per_minute} requests per "
                                "minute exceeded; retry later.", type="rate_limit_error",
                                code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+        if path.startswith(CONTROL_PREFIX) and method in _WRITES:
+            self._control_write(key, remote_addr)
+            self._check_content_type(headers)
+        elif path in STORE_WRITES:
+            self._control_write(key, remote_addr)
         return sender
 
     def may_unload(self, headers: Mapping[str, str], sender: Optional[Signed]) -> bool:
@@ -304,6 +311,20 @@ def install_guard(app: Quart, guard: Guard) -> None:
 
 NODE_ROUTE = "/mlxfleet/v1/node"
 PEER_ROUTE = "/mlxfleet/v1/store/"  # peer copy: what a node holds, served to the others
+
+
+def _check_encoding(headers: Mapping[str, str]) -> None:
+    """Bodies come as they are or chunked: a compressed one would be taken as JSON
+    garbage (``Transfer-Encoding: gzip, chunked`` was accepted, the gzip ignored)."""
+    te = [t.strip().lower() for t in (headers.get("transfer-encoding") or "").split(",")]
+    if any(t not in ("", "chunked") for t in te):
+        raise APIError(501, f"Transfer-Encoding {headers.get('transfer-encoding')!r} is not "
+                       "supported: send the body as it is, or chunked.",
+                       type="server_error", code="unsupported_transfer_encoding")
+    ce = (headers.get("content-encoding") or "").strip().lower()
+    if ce not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {ce!r} is not supported: send the body "
+                       "uncompressed.", code="unsupported_media_type")
 
 
 def target_of(scope: Mapping) -> str:

@@ -24,6 +24,7 @@ from .. import blas
 from ..formats import pick_parsers
 from ..names import loggable
 from ..wire import (
+    CACHE_SCOPE_HEADER,
     GATEWAY_FIELDS,
     APIError,
     install_error_handlers,
@@ -241,7 +242,7 @@ class Worker:
                                    f"sequences ({self.inflight - weight} in flight); retry "
                                    "shortly.", type="service_unavailable", code="queue_full",
                                    headers={"Retry-After": "1"})
-            pipe = await self._submit(req)
+            pipe = await self._submit(req, request.headers.get(CACHE_SCOPE_HEADER, "")[:64])
             pipe.weight = weight
         except BaseException:
             self.inflight -= weight
@@ -256,7 +257,7 @@ class Worker:
         g.reply_headers = pipe.headers
         return req, pipe
 
-    async def _submit(self, req: GenRequest) -> Pipeline:
+    async def _submit(self, req: GenRequest, scope: str = "") -> Pipeline:
         info = self.model_info()
         text_bytes = self._check_size(info, req)
         if req.images:
@@ -269,7 +270,7 @@ class Worker:
             prompts, plan, params, vision = await asyncio.to_thread(_prepare, info, req)
         else:
             prompts, plan, params, vision = _prepare(info, req)
-        gen = self.engine.submit(prompts, params, req.n, vision)
+        gen = self.engine.submit(prompts, params, req.n, vision, scope)
         pipe = Pipeline(self.engine, gen, plan, req.tools, sum(len(p) for p in prompts),
                         req.stream_interval or self.config.stream_interval,
                         not req.parallel_tool_calls)

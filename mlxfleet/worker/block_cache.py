@@ -33,9 +33,10 @@ class _Block:
     children: set[bytes] = field(default_factory=set)
 
 
-def _chain(tokens: list[int], n_blocks: int) -> list[bytes]:
-    """The hash of each block's whole prefix."""
-    out, h = [], b""
+def _chain(tokens: list[int], n_blocks: int, scope: str = "") -> list[bytes]:
+    """The hash of each block's whole prefix, within ``scope`` (prompts of another scope
+    never share a block: see ``prompt_cache``)."""
+    out, h = [], scope.encode()
     for i in range(n_blocks):
         piece = tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]
         h = hashlib.blake2b(h + b"|" + ",".join(map(str, piece)).encode(),
@@ -64,18 +65,23 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def fetch(self, tokens: list[int]) -> tuple[Optional[list[Any]], list[int], Optional[str]]:
+    def fetch(self, tokens: list[int], scope: str = ""
+              ) -> tuple[Optional[list[Any]], list[int], Optional[str]]:
         """(cache or None, tokens still to prefill, hit kind or None), as PromptCache."""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
         usable = (len(tokens) - 1) // BLOCK_TOKENS  # leave at least one token to prefill
-        chain = _chain(tokens, usable)
-        matched = 0
-        for h in chain:
-            if h not in self._blocks:
+        matched, chain = 0, []
+        for where in (scope, "") if scope else ("",):  # the public scope is everyone's
+            chain = _chain(tokens, usable, where)
+            matched = 0
+            for h in chain:
+                if h not in self._blocks:
+                    break
+                matched += 1
+            if matched:
                 break
-            matched += 1
         keep = matched * BLOCK_TOKENS
         if keep < MIN_REUSE_TOKENS:
             self.stats.misses += 1
@@ -108,7 +114,7 @@ class BlockCache:
             return "lcp"
         return "prefix"
 
-    def store(self, tokens: list[int], cache: list[Any], room: int) -> None:
+    def store(self, tokens: list[int], cache: list[Any], room: int, scope: str = "") -> None:
         """Keep ``cache``'s full blocks (the ones not already kept), then fit ``room``."""
         import mlx.core as mx
 
@@ -116,7 +122,7 @@ class BlockCache:
             return
         n = min(len(tokens), cache[0].offset) // BLOCK_TOKENS
         parent = None
-        for i, h in enumerate(_chain(tokens, n)):
+        for i, h in enumerate(_chain(tokens, n, scope)):
             if h in self._blocks:
                 self._blocks.move_to_end(h)
             else:

@@ -28,7 +28,8 @@ TOKENS = "0.mlxfleet_tokens"  # where the key sits in the file's metadata (mlx-l
 def identity(source: str, revision: Optional[str], kv_bits: Optional[int] = None) -> str:
     """The checkpoint's folder name: entries from another checkpoint (or quantized to
     other bits) never load."""
-    key = f"{source}\0{revision or ''}" + (f"\0kv{kv_bits}" if kv_bits else "")
+    key = f"{source}\0{revision or ''}" + (f"\0kv{kv_bits}" if kv_bits else "") \
+        + "\0scoped"  # keys carry their scope first (entries from before are wiped)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

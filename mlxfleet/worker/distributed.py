@@ -140,7 +140,7 @@ def follow(engine: Any, channel: Channel) -> None:
 class NoPromptCache:
     """The prompt cache of a sharded model: none (see the module's docstring)."""
 
-    def fetch(self, tokens: list[int]) -> tuple[None, list[int], Optional[str]]:
+    def fetch(self, tokens: list[int], scope: str = "") -> tuple[None, list[int], Optional[str]]:
         return None, tokens, None
 
     def store(self, *args: Any) -> None:

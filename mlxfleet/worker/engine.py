@@ -166,11 +166,12 @@ class Engine:
         self.announced += delta
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
-               vision: Any = None) -> Generation:
+               vision: Any = None, cache_scope: str = "") -> Generation:
         """Queue a generation; ``vision`` (an ``images.VisionPrompt``) when the one prompt
-        holds images."""
+        holds images; ``cache_scope``: whose prompt cache it reads and fills (see
+        ``prompt_cache``)."""
         gen = Generation(prompts, params, n)
-        gen.vision = vision
+        gen.vision, gen.cache_scope = vision, cache_scope
         self._inbox.put(_Submit(gen))
         return gen
 
@@ -583,9 +584,9 @@ class Engine:
             seq = self._seqs.pop(u)
             self._reserved -= seq.reserved
             if keep and u in kept and seq.key is None:  # (images: keyed by their hashes)
-                self._keep_prefix(*kept[u])
+                self._keep_prefix(*kept[u], seq.gen.cache_scope)
 
-    def _keep_prefix(self, cache: Any, tokens: Any) -> None:
+    def _keep_prefix(self, cache: Any, tokens: Any, scope: str) -> None:
         """Store a cancelled sequence's cache under the tokens it holds (the processed
         part of its prompt, and what it generated)."""
         if not cache:
@@ -598,7 +599,7 @@ class Engine:
         if len(ids) < n:
             return
         self.prompt_cache.store([int(t) for t in ids[:n]], cache,
-                                self.policy.budget - self._reserved)
+                                self.policy.budget - self._reserved, scope)
 
     def _insert(self, gen: Generation, need: int) -> None:
         """Start ``gen``'s sequences, each reserving ``need`` bytes of KV."""
@@ -608,9 +609,10 @@ class Engine:
             for pr in gen.prompts:
                 for _ in range(gen.n):
                     if gen.vision is not None:
-                        cache, rest, kind, done = self._fetch_vision(gen.vision)
+                        cache, rest, kind, done = self._fetch_vision(gen.vision,
+                                                                     gen.cache_scope)
                     else:
-                        cache, rest, kind = self.prompt_cache.fetch(list(pr))
+                        cache, rest, kind = self.prompt_cache.fetch(list(pr), gen.cache_scope)
                         done = len(pr) - len(rest)
                     prompts.append(rest)
                     caches.append(cache)
@@ -704,7 +706,7 @@ class Engine:
             x = x[:, n:]
         if self._snapshots and len(rest) > 1:  # the cache as the prompt's end left it
             self.prompt_cache.store(list(gen.prompts[0][:-1]), copy.deepcopy(cache),
-                                    self.policy.budget - self._reserved)
+                                    self.policy.budget - self._reserved, gen.cache_scope)
         logits = self._model(x, cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = int((sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)).item())
@@ -718,10 +720,11 @@ class Engine:
                                      decoder.stop_sequence))])
         if decoder.finish_reason is None:
             return token, [compact(c) for c in cache]  # as the batch takes a cache hit's
-        self.prompt_cache.store(list(gen.prompts[0]), cache, self.policy.budget - self._reserved)
+        self.prompt_cache.store(list(gen.prompts[0]), cache, self.policy.budget - self._reserved,
+                                gen.cache_scope)
         return None, cache
 
-    def _fetch_vision(self, vp) -> tuple[list[Any], list[int], Optional[str], int]:
+    def _fetch_vision(self, vp, scope: str) -> tuple[list[Any], list[int], Optional[str], int]:
         """A prompt with images: the cached prefix, looked up by its key (image hashes in
         place of image tokens). When the cache does not cover every image, the prompt is
         read here from the first image on (vision tower and language model) and the batch
@@ -729,7 +732,7 @@ class Engine:
         tokens for the batch, hit kind, prompt tokens served from the cache)."""
         from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-        cache, rest, kind = self.prompt_cache.fetch(list(vp.key))
+        cache, rest, kind = self.prompt_cache.fetch(list(vp.key), scope)
         done = len(vp.ids) - len(rest)
         if done >= vp.last:  # every image is in the cached prefix: only text is left
             return cache, vp.ids[done:], kind, done
@@ -793,7 +796,8 @@ class Engine:
                     if seq.key is not None:  # images: stored under their hashes
                         tokens[:len(seq.key)] = seq.key
                     self.prompt_cache.store(tokens, r.prompt_cache,
-                                            self.policy.budget - self._reserved)
+                                            self.policy.budget - self._reserved,
+                                            seq.gen.cache_scope)
             elif dec.finish_reason is not None:  # a stop string: free its slot now
                 stopped.append(r.uid)
         if stopped:
@@ -807,8 +811,9 @@ class Engine:
         """Keep the caches of prompts whose prefill just reached their last token (all of
         the prompt but that token), for the next request that extends the prompt."""
         uids = [u for u in uids if u in self._seqs and self._seqs[u].key is None]
-        for cache, tokens in self._bg.extract_cache(uids).values():
-            self.prompt_cache.store(list(tokens), cache, self.policy.budget - self._reserved)
+        for u, (cache, tokens) in self._bg.extract_cache(uids).items():
+            self.prompt_cache.store(list(tokens), cache, self.policy.budget - self._reserved,
+                                    self._seqs[u].gen.cache_scope)
 
     def _generation_only(self) -> tuple[list, list]:
         """One step of mlx-lm's ``BatchGenerator`` that starts no new prompt: a decode

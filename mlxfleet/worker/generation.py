@@ -71,6 +71,7 @@ class Generation:
         self.first_token_at: Optional[float] = None
         self.generated = 0
         self.vision: Optional[Any] = None  # an images.VisionPrompt (set by Engine.submit)
+        self.cache_scope = ""  # whose prompt cache it uses (set by Engine.submit)
 
     @property
     def num_sequences(self) -> int:

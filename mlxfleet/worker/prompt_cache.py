@@ -7,6 +7,13 @@ lookup that classifies the hit (exact, prefix, longest common prefix) without
 deep-copying a cache, so that tiny reuses are skipped, and only public API
 (``LRUPromptCache`` keeps its trie private). Same semantics otherwise: an exact
 hit, a stored prefix, or a longer entry trimmed back to the common prefix.
+
+Every entry belongs to a **scope** (a trie root of its own): with API keys configured,
+the gateway scopes each key's prompts apart (and a request's ``cache_salt`` further), so
+one key can never learn another's prompt from how many of its tokens came from cache.
+The public scope ``""`` (requests when no key is configured, and the operator's warm
+prompts) is read by every scope. Keys of the LRU and the disk tier are
+``(scope, *tokens)``.
 Used only on the engine thread (the caches are MLX arrays).
 """
 
@@ -17,7 +24,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_KEY = "model"  # one model per worker: a single trie root
+Key = tuple  # (scope, *tokens)
 #: Reusing a few shared tokens (a chat template's preamble) costs more than it saves:
 #: the cache is copied, trimmed and merged into the batch. Below this, prefill afresh.
 MIN_REUSE_TOKENS = 32
@@ -68,36 +75,44 @@ class PromptCache:
 
         self.budget = budget_bytes
         self._trie = PromptTrie()
-        self._lru: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
+        self._lru: collections.OrderedDict[Key, _Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.stats = CacheStats()
         self.disk = disk
         for key in disk.keys() if disk else []:
-            self._trie.add(_KEY, list(key), ON_DISK)
+            if key and isinstance(key[0], str):
+                self._trie.add(key[0], list(key[1:]), ON_DISK)
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def fetch(self, tokens: list[int]) -> tuple[Optional[list[Any]], list[int], Optional[str]]:
-        """(cache or None, tokens still to prefill, hit kind or None).
+    def fetch(self, tokens: list[int], scope: str = ""
+              ) -> tuple[Optional[list[Any]], list[int], Optional[str]]:
+        """(cache or None, tokens still to prefill, hit kind or None), from ``scope``'s
+        entries only.
 
         The rest is never empty: the model must see at least the last prompt
         token to produce logits, so an exact hit is trimmed back by one token.
         """
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        for kind, key, keep in self._candidates(tokens):
+        found = [(c, scope) for c in self._candidates(tokens, scope)]
+        if scope:  # the public scope's too (warm prompts), the longest reuse first
+            found = sorted(found + [(c, "") for c in self._candidates(tokens, "")],
+                           key=lambda f: -f[0][2])
+        for (kind, key, keep), where in found:
             trim = len(key) - keep
             if keep == len(tokens):  # exact: leave the last token to prefill
                 trim, keep = trim + 1, keep - 1
             if keep < MIN_REUSE_TOKENS:
                 continue
-            entry = self._lru.get(tuple(key)) or self._from_disk(tuple(key))
+            k = (where, *key)
+            entry = self._lru.get(k) or self._from_disk(k)
             # A cache that cannot be cut back (recurrent state, a sliding window past its
             # size) serves only a prompt it is a prefix of: try the next candidate.
             if entry is None or (trim and not can_trim_prompt_cache(entry.cache)):
                 continue
-            self._lru.move_to_end(tuple(key))
+            self._lru.move_to_end(k)
             cache = copy.deepcopy(entry.cache)
             if trim:
                 trim_prompt_cache(cache, trim)
@@ -107,12 +122,12 @@ class PromptCache:
         self.stats.misses += 1
         return None, tokens, None
 
-    def _candidates(self, tokens: list[int]) -> list[tuple[str, list[int], int]]:
+    def _candidates(self, tokens: list[int], scope: str) -> list[tuple[str, list[int], int]]:
         """Stored entries that could serve ``tokens``, best first: (kind, key, tokens of
         the prompt it covers)."""
-        found = self._trie.search(_KEY, tokens)
+        found = self._trie.search(scope, tokens)
         if found.exact is not None:  # else the longest stored prefix of all but the last
-            below = self._trie.search(_KEY, tokens[:-1]) if len(tokens) > 1 else None
+            below = self._trie.search(scope, tokens[:-1]) if len(tokens) > 1 else None
             prefix = below and (below.exact or below.shorter)
             return [("exact", found.exact, len(tokens))] + (
                 [("prefix", prefix, len(prefix))] if prefix else [])
@@ -127,27 +142,28 @@ class PromptCache:
             out.append(("prefix", found.shorter, short))
         return out
 
-    def store(self, tokens: list[int], cache: list[Any], room: int) -> None:
-        """Keep ``cache`` for ``tokens``, then fit the whole cache into ``room`` bytes."""
+    def store(self, tokens: list[int], cache: list[Any], room: int, scope: str = "") -> None:
+        """Keep ``cache`` for ``tokens`` in ``scope``, then fit the whole cache into
+        ``room`` bytes."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         if not tokens or room <= 0:
             return
-        key = tuple(tokens)
+        key = (scope, *tokens)
         cache = [compact(c) for c in cache]
         entry = _Entry(cache, sum(c.nbytes for c in cache))
-        old = self._trie.add(_KEY, list(tokens), entry)
+        old = self._trie.add(scope, list(tokens), entry)
         if old is not None:
             self.nbytes -= old.nbytes
             self._lru.pop(key, None)
         self._lru[key] = entry
         self.nbytes += entry.nbytes
         if can_trim_prompt_cache(cache):  # stored prefixes are now redundant
-            for n, prefix in self._trie.pop_prefixes(_KEY, list(tokens)):
+            for n, prefix in self._trie.pop_prefixes(scope, list(tokens)):
                 self.nbytes -= prefix.nbytes
-                self._lru.pop(key[:n], None)
+                self._lru.pop(key[:n + 1], None)
                 if prefix is ON_DISK:
-                    self.disk.remove(key[:n])
+                    self.disk.remove(key[:n + 1])
         self.trim(room)
 
     def trim(self, room: int) -> None:
@@ -159,9 +175,9 @@ class PromptCache:
             self.nbytes -= entry.nbytes
             self.stats.evictions += 1
             if self.disk is None:
-                self._trie.pop(_KEY, list(key))
+                self._trie.pop(key[0], list(key[1:]))
                 continue
-            self._trie.add(_KEY, list(key), ON_DISK)
+            self._trie.add(key[0], list(key[1:]), ON_DISK)
             self._forget(self.disk.write(key, entry.cache))
 
     def flush(self) -> None:
@@ -169,7 +185,7 @@ class PromptCache:
         if self.disk is not None:
             self.trim(0)
 
-    def _from_disk(self, key: tuple) -> Optional[_Entry]:
+    def _from_disk(self, key: Key) -> Optional[_Entry]:
         """A disk entry read back into memory (None if it is not there or does not load)."""
         if self.disk is None or key not in self.disk.files:
             return None
@@ -178,17 +194,17 @@ class PromptCache:
             self._forget([key])
             return None
         entry = _Entry(cache, sum(c.nbytes for c in cache))
-        self._trie.add(_KEY, list(key), entry)
+        self._trie.add(key[0], list(key[1:]), entry)
         self._lru[key] = entry
         self.nbytes += entry.nbytes
         self.stats.disk_hits += 1
         return entry
 
-    def _forget(self, keys: list[tuple]) -> None:
+    def _forget(self, keys: list[Key]) -> None:
         for key in keys:
             try:
-                if self._trie.get(_KEY, list(key)) is ON_DISK:
-                    self._trie.pop(_KEY, list(key))
+                if self._trie.get(key[0], list(key[1:])) is ON_DISK:
+                    self._trie.pop(key[0], list(key[1:]))
             except KeyError:
                 pass
 
