@@ -152,7 +152,9 @@ def keyed(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("trust"), env={
         "MLXFLEET_API_KEY": "ka,kb,kc", "MLXFLEET_RATE_LIMIT": "30",
         "MLXFLEET_MAX_BODY_MB": "4", "MLXFLEET_MAX_PENDING_BODY_MB": "8"})
-    f.write("tiny.yaml", manifest("tiny"))
+    f.write("tiny.yaml", manifest("tiny", cache={"diskMB": 16}))
+    f.state.mkdir(parents=True)
+    (f.state / "responses.sqlite3").write_bytes(b"not a database " * 100)  # a bad disk
     try:
         f.start()
         f.wait_ready("tiny")
@@ -260,3 +262,60 @@ def test_a_compressed_transfer_coding_is_refused_not_ignored(keyed):
         assert _status(s) == 501
     finally:
         s.close()
+
+
+# ---- files: the Responses database and the prompt cache on disk ---------------------
+
+def test_a_corrupt_responses_database_is_moved_aside_at_start(keyed):
+    from openai import OpenAI
+
+    aside = list(keyed.state.glob("responses.sqlite3.corrupt-*"))
+    assert aside and aside[0].read_bytes().startswith(b"not a database")
+    assert "moved aside" in keyed.logs()
+    client = OpenAI(base_url=keyed.url + "/v1", api_key="ka")
+    r = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    assert client.responses.retrieve(r.id).id == r.id  # (every stored response was a 500)
+
+
+def test_a_locked_responses_database_never_costs_an_answer(keyed):
+    import sqlite3
+    import time
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=keyed.url + "/v1", api_key="ka")
+    db = sqlite3.connect(str(keyed.state / "responses.sqlite3"), isolation_level=None)
+    db.execute("begin exclusive")  # another process holds the lock (a backup, say)
+    try:
+        r = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
+        assert r.output and r.id  # (a 500 after the generation, before)
+        events = list(client.responses.create(model="tiny", input="hi",
+                                              max_output_tokens=2, stream=True))
+        assert events[-1].type in ("response.completed", "response.incomplete")  # (was cut)
+        streamed = events[-1].response.id
+        assert client.responses.retrieve(r.id).id == r.id  # answered from memory
+    finally:
+        db.execute("rollback")
+        db.close()
+    time.sleep(2.5)  # the background retry writes both
+    rows = sqlite3.connect(str(keyed.state / "responses.sqlite3")).execute(
+        "select id from responses").fetchall()
+    assert {r.id, streamed} <= {row[0] for row in rows}
+
+
+def test_files_that_hold_conversations_are_private(keyed):
+    import stat
+
+    from openai import OpenAI
+
+    OpenAI(base_url=keyed.url + "/v1", api_key="ka").chat.completions.create(
+        model="tiny", max_tokens=1, messages=[{"role": "user", "content": "private " * 40}])
+    import httpx
+
+    httpx.post(keyed.url + "/mlxfleet/v1/models/tiny/unload", timeout=60,
+               headers={"Authorization": "Bearer ka"})  # the prompt cache goes to disk
+    files = [keyed.state / "responses.sqlite3", *keyed.state.glob("prompt-cache/**/*")]
+    assert any(p.suffix == ".safetensors" for p in files), files
+    for p in [keyed.state, *files]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))  # were 0644/0755

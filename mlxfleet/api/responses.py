@@ -11,7 +11,11 @@ are not kept.
 
 A response belongs to the API key that created it (stored as a hash): another key
 gets a 404 and can neither read, continue nor delete it. A response is stored before
-its last byte reaches the client, so an acknowledged response survives a crash. In a
+its last byte reaches the client, so an acknowledged response survives a crash; a
+write the database refuses (another process holds a lock) never costs the client its
+answer: the response is kept in memory and written again in the background. A
+database that does not open (a corrupt file) is moved aside with a warning and a new
+one made; the file is the user's alone (0600). In a
 fleet the gateway names the response's id after its node (``resp_<hex>_<node>``), and
 any node answers for it by asking that node.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import os
 import sqlite3
 import time
 import uuid
@@ -32,8 +38,15 @@ from typing import Any, Optional
 
 from quart import Quart, g, request
 
+from ..files import private_dir, private_file
 from ..wire import HISTORY_FIELD, RESPONSE_ID_FIELD, APIError
 from .guard import presented_key
+
+log = logging.getLogger("mlxfleet.gateway")
+#: Seconds a write waits for another process's lock before it is queued for later.
+_BUSY_TIMEOUT = 1.0
+#: Background tries of a write the database refused, a second apart.
+_RETRIES = 600
 
 #: The header a node sends with a request for a stored response on behalf of a client
 #: (trusted only with the fleet key): whose responses it may see.
@@ -106,21 +119,55 @@ class ResponseStore:
         self.path = path
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="responses-db")
         self._db: Optional[sqlite3.Connection] = None
+        #: responses whose write the database refused, by id: (owner, stored), kept
+        #: (and answered from) until a background retry writes them
+        self._unwritten: dict[str, tuple[str, Stored]] = {}
+        self._retries: set[asyncio.Task] = set()
         #: set by the gateway in a fleet: ask another node for one of its responses
         self.remote: Optional[Callable[[str, str, str, str], Awaitable[Optional[dict]]]] = None
+        self._pool.submit(self._opened)  # at start: a corrupt file is dealt with now
 
     # ---- the database thread ---------------------------------------------
 
+    def _opened(self) -> Optional[sqlite3.Connection]:
+        try:
+            return self._conn()
+        except (sqlite3.Error, OSError) as e:
+            log.error("responses database %s cannot be opened: %s", self.path, e)
+            return None
+
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(str(self.path), check_same_thread=False,
-                                 isolation_level=None)
+            private_dir(self.path.parent)
+            try:
+                self._db = self._connect()
+            except sqlite3.DatabaseError as e:
+                if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+                    raise
+                aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+                log.warning("responses database %s does not open (%s): moved aside to %s; "
+                            "starting a new one", self.path, e, aside.name)
+                os.replace(self.path, aside)
+                for extra in ("-wal", "-shm"):
+                    Path(f"{self.path}{extra}").unlink(missing_ok=True)
+                self._db = self._connect()
+        return self._db
+
+    def _connect(self) -> sqlite3.Connection:
+        private_file(self.path)  # SQLite gives its -wal and -shm files the same mode
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                             timeout=_BUSY_TIMEOUT)
+        try:
             db.execute("pragma journal_mode=wal")
             db.execute("pragma synchronous=normal")  # a process crash loses nothing
             db.executescript(_SCHEMA)
-            self._db = db
-        return self._db
+            ok = db.execute("pragma quick_check").fetchone()[0]
+            if ok != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {ok}")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     async def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -129,6 +176,9 @@ class ResponseStore:
     # ---- reads and writes --------------------------------------------------
 
     async def get(self, rid: str, owner: str) -> Optional[Stored]:
+        held = self._unwritten.get(rid)
+        if held is not None:
+            return held[1] if held[0] == owner else None
         cutoff = time.time() - self.ttl
         row = await self._run(lambda db: db.execute(
             "select response, input_items, conversation from responses where id = ? and "
@@ -138,6 +188,10 @@ class ResponseStore:
         return Stored(*(json.loads(x) for x in row))
 
     async def delete(self, rid: str, owner: str) -> bool:
+        held = self._unwritten.get(rid)
+        if held is not None and held[0] == owner:
+            del self._unwritten[rid]
+            return True
         n = await self._run(lambda db: db.execute(
             "delete from responses where id = ? and owner = ?", (rid, owner)).rowcount)
         return n > 0
@@ -167,7 +221,32 @@ class ResponseStore:
                         "sum(size) over (order by created desc) as running from responses) "
                         "where running > ?)", (self.max_bytes,))
 
-        await self._run(write)
+        try:
+            await self._run(write)
+        except sqlite3.Error as e:  # locked by another process, a full disk...
+            log.warning("could not store response %s now (%s); it is kept in memory and "
+                        "written again in the background", rid, e)
+            self._unwritten[rid] = (pending.owner, Stored(
+                response, pending.input_items, pending.conversation))
+            t = asyncio.get_running_loop().create_task(self._write_later(rid, write))
+            self._retries.add(t)
+            t.add_done_callback(self._retries.discard)
+
+    async def _write_later(self, rid: str, write: Callable[[sqlite3.Connection], Any]
+                           ) -> None:
+        for _ in range(_RETRIES):
+            await asyncio.sleep(1.0)
+            if rid not in self._unwritten:
+                return  # deleted meanwhile
+            try:
+                await self._run(write)
+            except sqlite3.Error:
+                continue
+            self._unwritten.pop(rid, None)
+            log.info("stored response %s", rid)
+            return
+        log.error("response %s could not be stored: the database refused it for %d s",
+                  rid, _RETRIES)
 
     # ---- the request path ------------------------------------------------
 

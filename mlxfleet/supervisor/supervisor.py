@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from ..files import private_dir
 from ..manifest import (
     FileResult,
     LoadedManifest,
@@ -126,8 +127,8 @@ class Supervisor(FleetMembership):
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / OWNER_FILE).write_text(str(os.getpid()))
-        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.log_dir, 0o700)
+        private_dir(self.log_dir.parent)  # the state dir: logs, responses, prompt caches
+        private_dir(self.log_dir)
         if not self.manifests_dir.exists():
             log.warning("manifests folder %s does not exist; creating it", self.manifests_dir)
             self.manifests_dir.mkdir(parents=True)

@@ -35,14 +35,16 @@ def identity(source: str, revision: Optional[str], kv_bits: Optional[int] = None
 
 class DiskTier:
     def __init__(self, root: Path, ident: str, budget_bytes: int):
+        from ..files import private_dir
+
         self.dir = root / ident
         self.budget = budget_bytes
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)  # prompts live here: the user's alone, like the logs
         for other in root.iterdir():  # another source's entries: gone
             if other.name != ident:
                 shutil.rmtree(other, ignore_errors=True) if other.is_dir() else \
                     other.unlink(missing_ok=True)
-        self.dir.mkdir(exist_ok=True)
+        private_dir(self.dir)
         self.files: dict[tuple, Path] = {}  # least recently used first
         self._sizes: dict[tuple, int] = {}
         self.nbytes = 0  # the files' total size, kept as they come and go
@@ -71,6 +73,7 @@ class DiskTier:
         try:
             save_prompt_cache(str(tmp), portable(cache),
                               {"mlxfleet_tokens": json.dumps(list(tokens))})
+            os.chmod(tmp, 0o600)
             os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - a full disk must not stop the engine
             log.warning("prompt cache: could not write %s: %s", path.name, e)
