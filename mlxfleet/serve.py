@@ -32,6 +32,13 @@ async def serve(settings: ServerSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     supervisor = Supervisor(settings)
+
+    def hangup() -> None:  # `systemctl reload`, `kill -HUP`: read the folder now, keep serving
+        log.info("SIGHUP: reading the manifests folder again")
+        asyncio.ensure_future(supervisor.reload())
+
+    if hasattr(signal, "SIGHUP"):  # (it killed the server without a drain)
+        loop.add_signal_handler(signal.SIGHUP, hangup)
     mcp = _mcp_manager(settings)
     app = create_gateway(supervisor, mcp)
 

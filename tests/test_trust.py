@@ -319,3 +319,15 @@ def test_files_that_hold_conversations_are_private(keyed):
     for p in [keyed.state, *files]:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))  # were 0644/0755
+
+
+def test_sighup_reads_the_folder_again_and_keeps_serving(keyed):
+    import os
+    import signal
+    import time
+
+    os.kill(keyed.proc.pid, signal.SIGHUP)  # (it killed the server without a drain)
+    time.sleep(1)
+    assert keyed.proc.poll() is None
+    assert "SIGHUP: reading the manifests folder again" in keyed.logs()
+    assert _cached(keyed, "kb", "still here") == 0
