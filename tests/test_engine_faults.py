@@ -76,3 +76,38 @@ async def test_a_stuck_step_is_reported_then_clears(engine):
     await task
     await asyncio.sleep(0.1)
     assert engine.problem() is None
+
+
+async def test_a_sequence_that_fails_fails_alone_with_its_traceback_logged(engine, caplog):
+    """A failure one sequence causes (its detokenizer cannot read a token, say) ends that
+    request only; before, every request in the batch got the error."""
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="mlxfleet.engine")
+    p = SamplingParams(max_tokens=200, ignore_eos=True)
+    a, b = engine.submit([[1, 2, 3]], p), engine.submit([[4, 5, 6, 7]], p)
+    deadline = time.monotonic() + 30
+    while not (a.uids and b.uids and all(u in engine._seqs for u in a.uids)):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.001)
+
+    def unreadable(*_a, **_k):
+        raise IndexError("list index out of range (simulated: a token it has no text for)")
+
+    engine._seqs[a.uids[0]].decoder.feed = unreadable
+
+    async def drain(gen) -> list:
+        out = []
+        while True:
+            ev = await asyncio.wait_for(gen.events.get(), 30)
+            out.append(ev)
+            if isinstance(ev, EngineError) or (isinstance(ev, TokenEvent) and ev.finish_reason):
+                return out
+
+    got_a, got_b = await asyncio.gather(drain(a), drain(b))
+    assert isinstance(got_a[-1], EngineError) and "IndexError" in got_a[-1].message
+    assert all(isinstance(e, TokenEvent) for e in got_b) and len(got_b) == 200
+    assert got_b[-1].finish_reason == "length"
+    assert any(r.exc_info for r in caplog.records), "the log has the traceback"
+    await asyncio.sleep(0.2)
+    assert engine.problem() is None and engine.snapshot["kv_reserved_bytes"] == 0

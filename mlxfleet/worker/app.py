@@ -200,7 +200,7 @@ class Worker:
                                code="engine_unavailable", headers={"Retry-After": "5"})
             if self._info is None:
                 self._info = ModelInfo(self.name, e.tokenizer, e.context_length,
-                                       e.vocab_size, self.config, e.vision,
+                                       e.vocab_size, self.config, e.unknown_ids, e.vision,
                                        e.parsers or pick_parsers(
                                            None, None, self.config.tool_call_parser,
                                            self.config.reasoning_parser),

@@ -59,6 +59,7 @@ from .prompt_cache import PromptCache, compact
 from .prompts import template_style
 from .sampling import Samplers, SamplingParams, logits_processors
 from .speculative import DraftModel, Speculator, unsupported
+from .vocab import additive_mask, mask_unknown_ids, unknown_ids
 
 log = logging.getLogger("mlxfleet.engine")
 
@@ -116,6 +117,8 @@ class Engine:
         self.model_path: Optional[str] = None
         self.context_length: Optional[int] = None
         self.vocab_size: Optional[int] = None
+        self.unknown_ids: frozenset[int] = frozenset()  # model rows the tokenizer lacks
+        self._unknown_mask: Any = None
         self.load_seconds: Optional[float] = None
         self.stats = EngineStats()
         self.snapshot: dict[str, Any] = {}  # published by the engine thread (see _publish)
@@ -271,12 +274,17 @@ class Engine:
                                             tokenizer_config=trust)
             if hasattr(model, "attach_tokenizer"):  # the scripted model reads the text
                 model.attach_tokenizer(tokenizer)
-        self._model = model
         self.tokenizer = tokenizer
         self.context_length = self.config.context_length or context_length(config, tokenizer)
         self.vocab_size = int(config.get("vocab_size")
                               or (config.get("text_config") or {}).get("vocab_size")
                               or len(tokenizer))
+        # rows the tokenizer has no id for: never sampled, never fed back (vocab.py)
+        self.unknown_ids = unknown_ids(tokenizer, self.vocab_size)
+        self._unknown_mask = additive_mask(self.vocab_size, self.unknown_ids)
+        if self._unknown_mask is not None:
+            model = mask_unknown_ids(model, self._unknown_mask)
+        self._model = model
         self._stream = mx.default_stream(mx.default_device())
         self._quantize_kv()
         self._describe_paths(config)
@@ -373,6 +381,8 @@ class Engine:
                              f"{self.source}: its drafts would be other tokens")
         if why := unsupported(model, False, False):
             raise ValueError(f"the draft model {source} cannot draft: {why}")
+        if self._unknown_mask is not None:  # its drafts are fed to the model: real ids only
+            model = mask_unknown_ids(model, self._unknown_mask)
         return DraftModel(model, self.vocab_size, self.config.prefill_step_size)
 
     def _prefill_batch(self) -> int:
@@ -503,7 +513,7 @@ class Engine:
         if self.config.sharded:
             raise e  # the other ranks cannot follow a new batch mid-way: restart the group
         log.error("generation step failed (%d in a row): %s: %s", self._step_failures,
-                  type(e).__name__, e)
+                  type(e).__name__, e, exc_info=e)
         if self._step_failures >= STEP_FAILURES_FATAL:
             raise e
         self._fail_active(f"{type(e).__name__}: {e}")
@@ -750,8 +760,6 @@ class Engine:
         return cache, vp.ids[-1:], kind, start
 
     def _step(self) -> None:
-        import mlx.core as mx
-
         if self._joined and not self.config.sharded:
             prompts, responses = self._generation_only()
         else:
@@ -763,49 +771,71 @@ class Engine:
         if self._snapshots:
             self._snapshot([r.uid for r in prompts if r.end_of_segment and not r.end_of_prompt])
         self.stats.steps += 1
-        out, stopped = [], []
+        out, stopped, broken = [], [], {}
+        finished = {r.uid for r in responses if r.finish_reason is not None}
         for r in responses:
             seq = self._seqs.get(r.uid)
-            if seq is None:
+            if seq is None or seq.gen in broken:
                 continue
-            gen, dec = seq.gen, seq.decoder
-            if dec.finish_reason is not None:
-                continue  # a stop string ended it earlier in this step (speculation)
-            text = dec.feed(r.token, seq.finish_reason(r.finish_reason))
-            ev = TokenEvent(seq.index, r.token, text, dec.finish_reason, dec.stop_sequence)
-            k = gen.params.logprobs
-            if k is not None:
-                lp = r.logprobs
-                ev.logprob = lp[r.token].item()
-                if k > 0:
-                    top = mx.argpartition(-lp, kth=k - 1)[:k]
-                    ev.top_logprobs = sorted(zip(top.tolist(), lp[top].tolist()),
-                                             key=lambda t: -t[1])
-            failed = r.finish_reason is not None and seq.grammar_error()
-            out.append((gen, EngineError(
-                f"Structured output failed: the grammar engine stopped ({failed}); the "
-                "answer would not match the schema.", 500) if failed else ev))
-            gen.generated += 1
-            if gen.first_token_at is None:
-                gen.phase, gen.first_token_at = "generation", time.monotonic()
-            if r.finish_reason is not None:
-                del self._seqs[r.uid]
-                self._reserved -= seq.reserved
-                if r.prompt_cache is not None:
-                    tokens = list(r.all_tokens)
-                    if seq.key is not None:  # images: stored under their hashes
-                        tokens[:len(seq.key)] = seq.key
-                    self.prompt_cache.store(tokens, r.prompt_cache,
-                                            self.policy.budget - self._reserved,
-                                            seq.gen.cache_scope)
-            elif dec.finish_reason is not None:  # a stop string: free its slot now
-                stopped.append(r.uid)
+            try:
+                self._emit(r, seq, out, stopped)
+            except Exception as e:  # noqa: BLE001 - this sequence's own failure: its alone
+                log.exception("a sequence failed (the rest of the batch goes on)")
+                broken[seq.gen] = e
+        for gen, e in broken.items():  # fail that request, not its neighbours
+            out = [(g, ev) for g, ev in out if g is not gen]
+            out.append((gen, EngineError(f"Generation failed: {type(e).__name__}: {e}", 500)))
+            gone = [u for u in gen.uids if u in self._seqs]
+            stopped = [u for u in stopped if u not in gone]
+            for u in gone:
+                if u in finished:  # (the batch let it go already)
+                    self._reserved -= self._seqs.pop(u).reserved
+                else:
+                    self._remove([u])
         if stopped:
             self._remove(stopped)
         self.stats.generation_tokens_total += len(responses)
         self._count()
         if out:
             self._post(out)
+
+    def _emit(self, r: Any, seq: _Seq, out: list, stopped: list) -> None:
+        """One response of a step: its token decoded and queued for its request, its
+        slot and cache handed back when it finished."""
+        import mlx.core as mx
+
+        gen, dec = seq.gen, seq.decoder
+        if dec.finish_reason is not None:
+            return  # a stop string ended it earlier in this step (speculation)
+        text = dec.feed(r.token, seq.finish_reason(r.finish_reason))
+        ev = TokenEvent(seq.index, r.token, text, dec.finish_reason, dec.stop_sequence)
+        k = gen.params.logprobs
+        if k is not None:
+            lp = r.logprobs
+            ev.logprob = lp[r.token].item()
+            if k > 0:
+                top = mx.argpartition(-lp, kth=k - 1)[:k]
+                ev.top_logprobs = sorted(zip(top.tolist(), lp[top].tolist()),
+                                         key=lambda t: -t[1])
+        failed = r.finish_reason is not None and seq.grammar_error()
+        out.append((gen, EngineError(
+            f"Structured output failed: the grammar engine stopped ({failed}); the "
+            "answer would not match the schema.", 500) if failed else ev))
+        gen.generated += 1
+        if gen.first_token_at is None:
+            gen.phase, gen.first_token_at = "generation", time.monotonic()
+        if r.finish_reason is not None:
+            del self._seqs[r.uid]
+            self._reserved -= seq.reserved
+            if r.prompt_cache is not None:
+                tokens = list(r.all_tokens)
+                if seq.key is not None:  # images: stored under their hashes
+                    tokens[:len(seq.key)] = seq.key
+                self.prompt_cache.store(tokens, r.prompt_cache,
+                                        self.policy.budget - self._reserved,
+                                        seq.gen.cache_scope)
+        elif dec.finish_reason is not None:  # a stop string: free its slot now
+            stopped.append(r.uid)
 
     def _snapshot(self, uids: list[int]) -> None:
         """Keep the caches of prompts whose prefill just reached their last token (all of

@@ -89,6 +89,7 @@ class ModelInfo:
     context_length: Optional[int]
     vocab_size: int
     defaults: WorkerConfig
+    unknown_ids: frozenset = frozenset()  # ids below vocab_size the tokenizer lacks
     vision: Any = None  # the engine's vision.VisionModel: its processor and image token
     parsers: Any = None  # formats.Parsers: the tool-call and reasoning formats parsed
     template_style: Optional[TemplateStyle] = None
@@ -296,7 +297,7 @@ def completion_prompts(info: ModelInfo, req: GenRequest) -> list[list[int]]:
     for i, ids in enumerate(prompts):
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt", code="empty_prompt")
-        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        bad = [t for t in ids if not 0 <= t < info.vocab_size or t in info.unknown_ids]
         if bad:
             raise APIError(400, f"Token id {bad[0]} in prompt {i} is outside the model's "
                            f"vocabulary (0..{info.vocab_size - 1}).", param="prompt",
