@@ -91,6 +91,33 @@ def test_a_pull_past_its_deadline_stops_and_says_how_to_continue(hub, tmp_path):
     assert not ok and "took longer than 1s" in out and "continue" in out, out
 
 
+def test_a_pull_stopped_early_keeps_what_it_had_and_continues_from_there(hub, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    hub.throttle = 0.2  # 64 KiB per 0.2 s: the weights (under 1 MB) take a few seconds
+    env = {**os.environ, **hub.env(tmp_path / "hf"), "MLXFLEET_SERVER": "http://127.0.0.1:9"}
+    cli = [sys.executable, "-m", "mlxfleet", "pull", "acme/tiny"]
+    first = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    parts = tmp_path / "hf" / "models--acme--tiny" / "blobs"
+    deadline = time.monotonic() + 30
+    while not any(p.stat().st_size >= 128 << 10 for p in parts.glob("*.incomplete")):
+        assert time.monotonic() < deadline, "nothing was kept on disk as it came (it was " \
+            "written in 1 MB pieces, so a smaller file kept nothing)"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    hub.throttle = 0.0
+    hub.log.clear()
+    assert subprocess.run(cli, env=env, capture_output=True, timeout=60).returncode == 0
+    ranges = [r for m, p, r in hub.log if m == "GET" and p.endswith(".safetensors")]
+    assert ranges and ranges[0] and ranges[0] != "bytes=0-", ranges
+
+
 # ---- a lying peer -------------------------------------------------------------------
 
 def test_a_peer_listing_that_climbs_out_of_the_cache_is_ignored(hub, tiny_repo, tmp_path):
@@ -319,6 +346,15 @@ def test_files_that_hold_conversations_are_private(keyed):
     for p in [keyed.state, *files]:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))  # were 0644/0755
+
+
+def test_a_single_machine_serves_its_weights_to_no_client(keyed):
+    import httpx
+
+    for route in ("listing", "file"):
+        r = httpx.get(f"{keyed.url}/mlxfleet/v1/store/{route}", timeout=10,
+                      params={"source": "acme/tiny"}, headers={"Authorization": "Bearer ka"})
+        assert r.status_code == 404, r.text  # (any client key was served)
 
 
 def test_sighup_reads_the_folder_again_and_keeps_serving(keyed):
