@@ -192,6 +192,10 @@ def quantization_group(model: Any, bits: int, sharded: bool = False,
         return None, "vision models keep full-precision caches"
     if kinds != ["KVCache"]:
         return None, f"mlx-lm has no quantized version of its caches ({', '.join(kinds)})"
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    if any(type(c) is not KVCache for c in make_prompt_cache(model)):  # (a CacheList)
+        return None, "its layers keep several caches each (DeepSeek-V3.2's indexer)"
     group = group_size_for(model)
     if group is None:
         return None, "its key and value widths are not multiples of 32"
