@@ -56,6 +56,68 @@ def test_anthropic_create_and_usage(claude):
     assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
 
 
+def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, fleet):
+    """The same conversation twice through each protocol: the second is a cache hit, and
+    each protocol says so in its own terms, in agreement with the worker's log line
+    (``N prompt (C cached)``): Anthropic's input_tokens leave out the cached tokens, from
+    the stream's very first event; Ollama counts only the tokens it evaluated."""
+    import re
+
+    import ollama
+
+    system = "You answer questions about capitals of countries, in one sentence. " * 5
+    ask = [{"role": "user", "content": "What is the capital of Japan?"}]
+
+    seen = [0]
+
+    def logged() -> tuple[int, int]:
+        """The worker's line for the request just answered (the log follows a moment
+        after the answer: wait for one more line)."""
+        import time
+
+        for _ in range(100):
+            log = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
+                            timeout=10).text
+            lines = re.findall(r"(\d+) prompt \((\d+) cached\)", log)
+            if len(lines) > seen[0]:
+                seen[0] = len(lines)
+                return int(lines[-1][0]), int(lines[-1][1])
+            time.sleep(0.05)
+        raise AssertionError("the worker logged no line for the request")
+
+    logged_before = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
+                              timeout=10).text
+    seen[0] = len(re.findall(r"(\d+) prompt \((\d+) cached\)", logged_before))
+
+    claude.messages.create(model="demo", max_tokens=5, system=system, messages=ask)
+    logged()
+    with claude.messages.stream(model="demo", max_tokens=5, system=system,
+                                messages=ask) as stream:
+        first = next(iter(stream))  # message_start
+        final = stream.get_final_message()
+    n, c = logged()
+    assert c > 0 and first.type == "message_start"
+    start = first.message.usage
+    assert (start.input_tokens, start.cache_read_input_tokens) == (n - c, c)  # (was n, -)
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (n - c, c)
+    m = claude.messages.create(model="demo", max_tokens=5, system=system, messages=ask)
+    n, c = logged()
+    assert (m.usage.input_tokens, m.usage.cache_read_input_tokens) == (n - c, c)  # (was n)
+    chat = [{"role": "system", "content": system}, *ask]
+    r = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x").chat.completions.create(
+        model="demo", max_tokens=5, messages=chat)
+    n, c = logged()
+    assert (r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens) == (n, c)
+    resp = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x").responses.create(
+        model="demo", max_output_tokens=5, instructions=system, input=ask[0]["content"])
+    n, c = logged()
+    assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens) == (n, c)
+    o = ollama.Client(host=fleet.url).chat(model="demo", messages=chat,
+                                           options={"num_predict": 5})
+    n, c = logged()
+    assert c > 0 and o.prompt_eval_count == n - c
+
+
 def test_anthropic_system_as_blocks_and_stop_sequences(claude):
     m = claude.messages.create(
         model="demo", max_tokens=50, system=[{"type": "text", "text": "You are concise."}],

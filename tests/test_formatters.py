@@ -68,7 +68,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_anthropic_stream_and_message_are_one_fold(name):
     fold = MessageFold("msg_1", "m", 12)
-    text = fold.start() + "".join(fold.feed(batch) for batch in CASES[name])
+    text = fold.start(5) + "".join(fold.feed(batch) for batch in CASES[name])
     events = sse(text)
     kinds = [k for k, _ in events]
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta",
@@ -80,8 +80,13 @@ def test_anthropic_stream_and_message_are_one_fold(name):
     assert (streamed["stop_reason"], streamed["stop_sequence"]) == \
         (message["stop_reason"], message["stop_sequence"])
     assert streamed["usage"]["output_tokens"] == message["usage"]["output_tokens"] == 7
-    assert message["usage"] == {"input_tokens": 12, "output_tokens": 7,
-                                "cache_read_input_tokens": 5}
+    # Anthropic's input_tokens leave out what was read from cache, and the stream says so
+    # from its first event (Claude Code reads message_start's usage)
+    inputs = {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 5}
+    assert message["usage"] == {**inputs, "output_tokens": 7}
+    start = events[0][1]["message"]["usage"]
+    assert {k: start[k] for k in inputs} == inputs
+    assert {k: events[-2][1]["usage"][k] for k in inputs} == inputs
 
 
 def test_anthropic_block_order_and_shapes():

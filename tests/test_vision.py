@@ -128,10 +128,11 @@ def test_anthropic_base64_block(fleet):
     assert m.content[0].text and m.stop_reason == "max_tokens"
     # The same image through OpenAI's API reads the same prompt and gives the same answer.
     o = ask(fleet, image_message(data_uri(jpeg, "image/jpeg")))
-    assert m.usage.input_tokens == o.usage.prompt_tokens
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert prompt == o.usage.prompt_tokens
     assert m.content[0].text == o.choices[0].message.content
     count = client.messages.count_tokens(model="vlm", messages=messages)
-    assert count.input_tokens == m.usage.input_tokens
+    assert count.input_tokens == prompt
 
 
 def test_ollama_images(fleet):

@@ -231,13 +231,22 @@ class MessageFold:
         self._calls = 0
         self._finish: Optional[Finish] = None
         self._usage: dict[str, Any] = {}
+        self.cached = 0  # prompt tokens read from the prompt cache
 
-    def start(self) -> str:
+    def start(self, cached: int = 0) -> str:
+        """``message_start``: sent once the prompt cache was looked up, so that its usage
+        says how much of the prompt was read from cache (what Claude Code shows)."""
+        self.cached = cached
         return _event("message_start", {"message": {
             "id": self.mid, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}}) \
-            + _event("ping", {})
+            "usage": {**self._input_usage(), "output_tokens": 0}}}) + _event("ping", {})
+
+    def _input_usage(self) -> dict[str, int]:
+        """Anthropic's input fields: ``input_tokens`` excludes what was read from cache
+        (``cache_read_input_tokens``); nothing is written to a cache a client pays for."""
+        return {"input_tokens": self.prompt_tokens - self.cached,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached}
 
     def _close(self) -> list[str]:
         if not self._open:
@@ -279,10 +288,11 @@ class MessageFold:
             elif isinstance(ev, Done):
                 out += self._close()
                 self._usage = ev.usage
+                self.cached = _cached(ev.usage)
                 reason, seq = _stop_reason(self._finish, self._calls > 0)
                 out.append(_event("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": seq},
-                    "usage": {"output_tokens": self._output_tokens}}))
+                    "usage": {**self._input_usage(), "output_tokens": self._output_tokens}}))
                 out.append(_event("message_stop", {}))
         return "".join(out)
 
@@ -292,12 +302,14 @@ class MessageFold:
 
     def message(self) -> dict[str, Any]:
         reason, seq = _stop_reason(self._finish, self._calls > 0)
-        cached = (self._usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        self.cached = _cached(self._usage)
         return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": reason, "stop_sequence": seq,
-                "usage": {"input_tokens": self.prompt_tokens,
-                          "output_tokens": self._output_tokens,
-                          "cache_read_input_tokens": cached}}
+                "usage": {**self._input_usage(), "output_tokens": self._output_tokens}}
+
+
+def _cached(usage: dict[str, Any]) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
 def register_anthropic(app: Quart, worker: Worker) -> None:
@@ -313,7 +325,8 @@ def register_anthropic(app: Quart, worker: Worker) -> None:
         return fold.message()
 
     async def _stream(pipe: Pipeline, fold: MessageFold):
-        yield fold.start()
+        await pipe.gen.admitted.wait()
+        yield fold.start(pipe.gen.cached_tokens)
         async for batch in pipe.events():
             text = fold.feed(batch)
             if text:

@@ -630,6 +630,7 @@ class Engine:
                     if gen.cache_hit is None:
                         gen.cache_hit = kind or "miss"
                         gen.cached_tokens = done
+                        self._loop.call_soon_threadsafe(gen.admitted.set)
             count = gen.num_sequences
             procs = [logits_processors(p, self.tokenizer, self.vocab_size)
                      for _ in range(count)]
@@ -903,6 +904,7 @@ class Engine:
 def _deliver(events: list[tuple[Generation, Any]]) -> None:
     for gen, ev in events:
         gen.events.put_nowait(ev)
+        gen.admitted.set()  # (an error before admission: nobody waits for it forever)
 
 
 def _stats_dict(st: EngineStats) -> dict[str, Any]:

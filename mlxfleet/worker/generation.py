@@ -72,6 +72,9 @@ class Generation:
         self.generated = 0
         self.vision: Optional[Any] = None  # an images.VisionPrompt (set by Engine.submit)
         self.cache_scope = ""  # whose prompt cache it uses (set by Engine.submit)
+        #: set once the engine has looked its prompt up in the cache (``cached_tokens`` is
+        #: known) or it ended: what Anthropic's ``message_start`` usage waits for
+        self.admitted = asyncio.Event()
 
     @property
     def num_sequences(self) -> int:

@@ -232,7 +232,8 @@ def _final(pipe: Pipeline, finish: Optional[Finish]) -> dict[str, Any]:
     return {"done": True, "done_reason": "length" if finish and finish.reason == "length"
             else "stop",
             "total_duration": int((end - g.submitted_at) * 1e9), "load_duration": 0,
-            "prompt_eval_count": pipe.prompt_tokens,
+            # Ollama counts the prompt tokens it evaluated: those read from cache are not
+            "prompt_eval_count": pipe.prompt_tokens - g.cached_tokens,
             "prompt_eval_duration": int((first - start) * 1e9),
             "eval_count": pipe.completion_tokens,
             "eval_duration": int((end - first) * 1e9)}
