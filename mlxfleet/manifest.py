@@ -177,7 +177,7 @@ class DefaultsSpec(_Spec):
     top_k: Optional[int] = Field(default=None, ge=0, description="default off (0)")
     max_tokens: Optional[int] = Field(
         default=None, ge=1, description="completion length when a request sets no max_tokens "
-        f"(default {_d('max_tokens')}, clipped to the context)")
+        "(default: the context left after the prompt, bounded by limits.maxRequestTokens)")
     stream_interval: Optional[int] = Field(default=None, ge=1,
                                            description="tokens per streamed chunk (default 1)")
 

@@ -94,8 +94,10 @@ class WorkerConfig(BaseModel):
                                        "id; its weights count in the model's memory)",
         json_schema_extra=_from("speculative.draft_model"))
 
-    max_tokens: int = Field(512, ge=1, description="completion length when a request sets "
-                            "no max_tokens (clipped to the context)",
+    max_tokens: Optional[int] = Field(None, ge=1, description="completion length when a "
+                                      "request sets no max_tokens (unset: the context left "
+                                      "after the prompt, bounded by max_request_tokens, as "
+                                      "OpenAI and Anthropic clients assume)",
         json_schema_extra=_from("defaults.max_tokens", "max_tokens"))
     max_request_tokens: Optional[int] = Field(None, ge=1, description="the largest "
                                               "max_tokens a request may ask for (lowered "

@@ -238,3 +238,28 @@ def test_stream_interval_groups_tokens_into_fewer_chunks(client):
                                           temperature=0, stream=True,
                                           extra_body={"stream_interval": 5}))
     assert len([c for c in comp if c.choices]) <= 2
+
+
+def test_with_no_max_tokens_an_answer_runs_to_the_context_not_512(start_worker):
+    """Codex sends no max_output_tokens and cn no max_tokens: with no limit from the
+    client, an answer may use the context left (it was cut at 512), bounded by the
+    operator's max_request_tokens where one is set. Its KV is reserved as it grows, so
+    such a request does not hold the budget of the whole context from its start."""
+    import openai
+
+    w = start_worker("--context-length", "640", "--max-concurrency", "4",
+                     source="builtin:tiny-10m")
+    c = openai.OpenAI(base_url=w.base_url + "/v1", api_key="unused")
+    r = c.chat.completions.create(model="tiny", temperature=0, extra_body={"ignore_eos": True},
+                                  messages=[{"role": "user", "content": "Tell me a story."}])
+    assert r.usage.completion_tokens == 640 - r.usage.prompt_tokens > 512, r.usage
+    assert r.choices[0].finish_reason == "length"
+    assert w.status()["kv_reserved_bytes"] == 0
+    capped = start_worker("--context-length", "640", "--max-request-tokens", "100",
+                          source="builtin:tiny-10m")
+    c = openai.OpenAI(base_url=capped.base_url + "/v1", api_key="unused")
+    r = c.chat.completions.create(model="tiny", temperature=0, extra_body={"ignore_eos": True},
+                                  messages=[{"role": "user", "content": "Tell me a story."}])
+    assert r.usage.completion_tokens == 100
+    capped.stop()
+    w.stop()

@@ -84,6 +84,8 @@ class _Seq:
     decoder: SequenceDecoder
     processors: list = field(default_factory=list)  # its logits processors
     key: Optional[list[int]] = None  # prompt-cache key of a prompt with images
+    length: int = 0  # tokens it holds now (prompt and output)
+    reserved_length: int = 0  # tokens its reservation covers
 
     def finish_reason(self, reason: Optional[str]) -> Optional[str]:
         """mlx-lm's reason, except that a value the token budget forced closed (see
@@ -102,6 +104,8 @@ class _Seq:
 
 #: Batch steps failing this many times in a row take the engine down (restart).
 STEP_FAILURES_FATAL = 3
+#: Output tokens a sequence reserves KV for at a time (``Engine._need``, ``_grow``).
+RESERVE_TOKENS = 1024
 
 
 class Engine:
@@ -544,8 +548,25 @@ class Engine:
                 return False
 
     def _need(self, gen: Generation) -> int:
-        """KV bytes one of ``gen``'s sequences may grow to."""
-        return self.policy.need(max(len(p) for p in gen.prompts), gen.params.max_tokens)
+        """KV bytes one of ``gen``'s sequences reserves to start: its prompt and up to
+        ``RESERVE_TOKENS`` of output (more as it grows: ``_grow``). Reserving a whole
+        ``max_tokens`` up front let one agent asking for 32k tokens, or a request with no
+        limit (the context left), hold the budget of dozens of real answers."""
+        return self.policy.need(max(len(p) for p in gen.prompts),
+                                min(gen.params.max_tokens, RESERVE_TOKENS))
+
+    def _grow(self, seq: _Seq) -> None:
+        """A sequence past its reservation reserves the next ``RESERVE_TOKENS`` (never
+        more than its ``max_tokens``); retained prompt caches give way first. Running
+        sequences are never stopped for it: new ones wait until there is room."""
+        prompt = seq.reserved_length - min(seq.gen.params.max_tokens, RESERVE_TOKENS)
+        out = min(seq.length - prompt + RESERVE_TOKENS, seq.gen.params.max_tokens)
+        more = self.policy.need(prompt, out) - seq.reserved
+        seq.reserved_length = prompt + out
+        if more > 0:
+            seq.reserved += more
+            self._reserved += more
+            self.prompt_cache.trim(self.policy.budget - self._reserved)
 
     def _admit(self) -> None:
         """Start waiting generations while their KV fits the budget; retained prompt
@@ -671,8 +692,10 @@ class Engine:
             gen.phase, gen.started_at = "prefill", time.monotonic()
             self._count_request(gen)
         key = gen.vision.key if gen.vision is not None else None
+        longest = max(len(pr) for pr in gen.prompts)
         for i, uid in enumerate(uids):
-            self._seqs[uid] = _Seq(gen, i, need, decoders[i], procs[i], key)
+            self._seqs[uid] = _Seq(gen, i, need, decoders[i], procs[i], key, longest,
+                                   longest + min(p.max_tokens, RESERVE_TOKENS))
         self._reserved += need * len(uids)
 
     def _count_request(self, gen: Generation) -> None:
@@ -823,6 +846,9 @@ class Engine:
             f"Structured output failed: the grammar engine stopped ({failed}); the "
             "answer would not match the schema.", 500) if failed else ev))
         gen.generated += 1
+        seq.length += 1
+        if seq.length > seq.reserved_length and r.finish_reason is None:
+            self._grow(seq)
         if gen.first_token_at is None:
             gen.phase, gen.first_token_at = "generation", time.monotonic()
         if r.finish_reason is not None:

@@ -305,6 +305,10 @@ def completion_prompts(info: ModelInfo, req: GenRequest) -> list[list[int]]:
     return prompts
 
 
+#: A request with no max_tokens, on a model whose context is unknown.
+NO_CONTEXT_MAX_TOKENS = 32768
+
+
 def sampling_params(info: ModelInfo, req: GenRequest,
                     prompts: list[list[int]]) -> SamplingParams:
     """Apply defaults and check token budgets against the model's limits and context."""
@@ -325,7 +329,10 @@ def sampling_params(info: ModelInfo, req: GenRequest,
     limit = d.max_request_tokens
     if ctx is not None:
         limit = ctx - longest if limit is None else min(limit, ctx - longest)
-    max_tokens = requested or d.max_tokens
+    # No limit from the client: up to the context left (what OpenAI's and Anthropic's
+    # clients assume; Codex and cn send none), bounded by max_request_tokens. A limit
+    # of 512 cut their patches short.
+    max_tokens = requested or d.max_tokens or limit or NO_CONTEXT_MAX_TOKENS
     asked = None
     if limit is not None and max_tokens > limit:
         asked = requested if requested is not None and requested > limit else None
