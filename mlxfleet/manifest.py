@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -91,6 +92,12 @@ class CacheSpec(_Spec):
         "8 bits (mlx-lm's quantized KV cache): about 3.6x (4) or 1.9x (8) less KV memory "
         "per token, so more sequences and longer prompts fit the budget; models whose "
         "caches are not all plain key/value ones keep full precision (see paths.kv_cache)")
+    volatile: Optional[Annotated[list[Annotated[str, Field(min_length=1, max_length=512)]],
+                                 Field(max_length=32)]] = Field(
+        default=None, description="regular expressions of text clients put in system "
+        "prompts that changes every request and means nothing to the model (a billing "
+        "hash, a timestamp): removed before the prompt is cached, besides the built-in "
+        "ones (Claude Code's billing header)")
     scope: Optional[Literal["key", "shared"]] = Field(
         default=None, description="with API keys configured, whose cached prompts a "
         "request may reuse: key (default) only its own key's, so no key learns another's "
@@ -106,6 +113,12 @@ class CacheSpec(_Spec):
     def _one_of(self):
         if self.memory_mb is not None and self.memory_percent is not None:
             raise ValueError("set memoryMB or memoryPercent, not both")
+        for p in self.volatile or []:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"volatile pattern {p!r} is not a regular expression: "
+                                 f"{e}") from None
         return self
 
 

@@ -68,6 +68,12 @@ class WorkerConfig(BaseModel):
     warm_prompts: list[list[dict]] = Field(default_factory=list, description="conversations "
                                            "prefilled into the prompt cache at load",
         json_schema_extra=_from(flag=None))
+    volatile: list[str] = Field(default_factory=list, description="regular expressions of "
+                                "prompt text that changes from request to request and "
+                                "means nothing to the model: removed from system messages "
+                                "so it does not defeat the prompt cache (besides the "
+                                "built-in ones: worker/volatile.py)",
+        json_schema_extra=_from("cache.volatile", flag=None))
     warm_prompts_file: Optional[str] = Field(None, description="a JSON file of more such "
                                              "conversations, read by the worker at load "
                                              "(a regular file of at most 32 MiB)",

@@ -47,6 +47,7 @@ from .prompts import (
     output_plan,
     sampling_params,
 )
+from .volatile import Steadier
 
 log = logging.getLogger("mlxfleet.worker")
 
@@ -204,7 +205,7 @@ class Worker:
                                        e.parsers or pick_parsers(
                                            None, None, self.config.tool_call_parser,
                                            self.config.reasoning_parser),
-                                       e.template_style)
+                                       e.template_style, Steadier(tuple(self.config.volatile)))
             return self._info
         if e.state in (EngineState.LOADING, EngineState.PENDING):
             raise APIError(503, f"Model '{self.name}' is still loading; retry shortly.",

@@ -19,6 +19,7 @@ from ..wire import APIError
 from ..worker_settings import WorkerConfig
 from .images import ImageRef
 from .sampling import SamplingParams
+from .volatile import Steadier
 
 if TYPE_CHECKING:
     from .grammar import Grammar
@@ -93,6 +94,7 @@ class ModelInfo:
     vision: Any = None  # the engine's vision.VisionModel: its processor and image token
     parsers: Any = None  # formats.Parsers: the tool-call and reasoning formats parsed
     template_style: Optional[TemplateStyle] = None
+    steady: Optional[Steadier] = None  # removes volatile fragments (volatile.py)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -116,6 +118,9 @@ def chat_prompt(info: ModelInfo, req: GenRequest, tokenize: bool = True) -> Any:
         return tok.encode(text + "assistant:") if tokenize else text + "assistant:"
     messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                 for m in messages]
+    if info.steady is not None:  # what changes every request must not key the cache
+        messages = info.steady.messages(messages)
+    messages = opening_system_first(messages)
     messages = for_template(messages, info.template_style)
     try:
         try:
@@ -197,6 +202,24 @@ def for_template(messages: list[dict[str, Any]], style: Optional[TemplateStyle]
                 m["tool_calls"] = [{**tc, "id": short_id(tc.get("id"))} for tc in m["tool_calls"]]
         out.append(m)
     return out
+
+
+def opening_system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages of a conversation's opening (before the model's first turn) go
+    before its first user message. Claude Code sends its environment (working folder,
+    skills, date: 9 KB) as a system message *after* the user's first question, so a new
+    session asking something else shared its prompt with the last one only up to the
+    question (81% of it); moved first, the question is the prompt's last part (>= 95%
+    from cache). Templates that take one leading system message get this order anyway
+    (``fold_system``); later system messages stay where they are, so a conversation's
+    prefix never changes from turn to turn."""
+    first_turn = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                      len(messages))
+    opening = messages[:first_turn]
+    system = [m for m in opening if m.get("role") == "system"]
+    if not system or all(m.get("role") == "system" for m in opening[:len(system)]):
+        return messages  # none, or they lead already
+    return system + [m for m in opening if m.get("role") != "system"] + messages[first_turn:]
 
 
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
