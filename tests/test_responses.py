@@ -210,3 +210,30 @@ def test_a_forced_freeform_tool_follows_its_lark_grammar(client, stream):
                                            {"type": "custom_tool_call_output",
                                             "call_id": call.call_id, "output": "Done!"}])
     assert again.output
+
+
+def test_a_client_that_leaves_after_the_last_event_got_its_answer_no_499(fleet):
+    """Codex closes its connection as soon as it reads response.completed, before the
+    stream's own end: the gateway counted 3 of ~17 such answers as 499 (client
+    disconnected). A stream whose last event was relayed is complete."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(fleet.url)
+    body = json.dumps({"model": "demo", "input": JAPAN, "stream": True}).encode()
+    before = fleet.logs().count("(499)")
+    for _ in range(20):
+        s = socket.create_connection((u.hostname, u.port), timeout=30)
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b'"response.completed"' not in got:
+            data = s.recv(65536)
+            assert data, got[-500:]
+            got += data
+        s.close()  # at once, as Codex does
+    import time
+
+    time.sleep(1)
+    assert fleet.logs().count("(499)") == before, fleet.logs()[-2000:]

@@ -72,7 +72,7 @@ class Metrics:
                 await inner(scope, receive, watch)
             finally:
                 self.inflight.dec()
-                status = state["status"] if state["done"] else 499
+                status = state["status"] if state["done"] or state.get("complete") else 499
                 model = state.get("model", "")
                 route = state.get("route", UNMATCHED)
                 if status == 499:

@@ -58,6 +58,11 @@ _STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
 _SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')  # in the Responses API's events
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+#: What the last event of a complete stream carries, per protocol (OpenAI's [DONE],
+#: Anthropic's message_stop, the Responses API's terminal events, Ollama's done line).
+_FINAL_EVENTS = (b"data: [DONE]", b"event: message_stop", b'"response.completed"',
+                 b'"response.incomplete"', b'"response.failed"', b'"done":true',
+                 b'"done": true')
 
 
 class ModelRoutes:
@@ -333,10 +338,19 @@ class _Reply:
                      extra: list = ()) -> None:
         body = self.metrics.observe_stream(body, self._model, self.t0)
         await self._start(status, ctype, [*_STREAM_HEADERS, *extra])
+        last = b""
         try:
             async for chunk in body:
+                last = chunk
                 await self._send({"type": "http.response.body", "body": chunk,
                                   "more_body": True})
+        except asyncio.CancelledError:
+            # A client may hang up as soon as it has the stream's last event (Codex does,
+            # after response.completed), before the stream's own end: it got the whole
+            # answer, so it is no 499. Only the last chunk is looked at, once.
+            if self.labels is not None and any(m in last for m in _FINAL_EVENTS):
+                self.labels["complete"] = True
+            raise
         finally:
             await body.aclose()  # runs the relay's clean-up if we were cancelled mid-way
         await self._send({"type": "http.response.body", "body": b""})
