@@ -440,3 +440,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     pieces = [("content", "a"), ("call", {"name": "f"}), ("call", {"name": "g"})]
     assert first_call_only(pieces, False) == pieces[:2]
     assert first_call_only(pieces, True) == pieces[:1]
+
+
+def test_what_clients_probe_is_answered_quietly(fleet):
+    """Claude Code probes HEAD /api/hello at start (a 404 logged a warning each time)."""
+    assert httpx.head(fleet.url + "/api/hello", timeout=10).status_code == 200
+    assert httpx.get(fleet.url + "/api/hello", timeout=10).status_code == 200
+    assert "/api/hello" not in fleet.logs()

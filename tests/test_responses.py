@@ -237,3 +237,17 @@ def test_a_client_that_leaves_after_the_last_event_got_its_answer_no_499(fleet):
 
     time.sleep(1)
     assert fleet.logs().count("(499)") == before, fleet.logs()[-2000:]
+
+
+def test_codexs_bookkeeping_fields_are_taken_not_logged_as_ignored(client, fleet):
+    r = client.responses.create(model="demo", input=JAPAN, extra_body={
+        "prompt_cache_key": "session-1", "include": ["reasoning.encrypted_content"],
+        "client_metadata": {"x": "y"}, "unheard_of": 1})
+    assert "Tokyo" in r.output_text
+    import time
+
+    time.sleep(0.5)
+    log = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=20", timeout=10).text
+    ignored = [ln for ln in log.splitlines() if "ignoring unsupported request fields" in ln]
+    assert ignored and "'unheard_of'" in ignored[-1], log
+    assert "prompt_cache_key" not in ignored[-1] and "include" not in ignored[-1]

@@ -90,6 +90,12 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
                         response.status_code, await response.get_data())
         return response
 
+    @app.route("/api/hello", methods=["GET", "HEAD"])
+    async def hello():
+        """Claude Code probes ``HEAD /api/hello`` at start to see the server is there: a
+        quiet yes (a 404 logged a warning on every start)."""
+        return {"status": "ok"}
+
     @app.get("/v1/status")
     async def status():
         """Every model's engine status (the fields vllm-mlx documents), in one answer."""

@@ -435,7 +435,11 @@ _KNOWN_FIELDS = frozenset({
     "options", "format", "think", "raw", "template", "suffix", "images", "context",
     # Responses
     "input", "instructions", "text", "reasoning", "max_output_tokens", "store",
-    "previous_response_id", "mlxfleet_history"})
+    "previous_response_id", "mlxfleet_history",
+    # accepted with nothing to act on (docs/integrations.md says so): Codex sends them on
+    # every request. The prompt cache matches prompts by their tokens, so it needs no
+    # prompt_cache_key; include asks for encrypted reasoning, which a local model has not
+    "prompt_cache_key", "include", "client_metadata", "safety_identifier"})
 
 
 def _request_status(rid: str, pipe: Pipeline) -> dict[str, Any]:
