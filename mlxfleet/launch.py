@@ -14,13 +14,49 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-#: What each client calls itself on PATH, how to get it, and the model name it sends when
-#: none is given (the bundled manifests alias these names).
+#: What each client calls itself on PATH, how to get it, and the name it asks for when
+#: the user names no model (what its requests would send: the bundled manifests alias
+#: claude-* and gpt-*); ``pick_model`` turns it into the server's model.
 CLIENTS = {
-    "claude": ("claude", "npm install -g @anthropic-ai/claude-code", "claude-sonnet-4-5"),
+    "claude": ("claude", "npm install -g @anthropic-ai/claude-code", "claude-sonnet"),
     "codex": ("codex", "npm install -g @openai/codex", "gpt-5.5"),
-    "opencode": ("opencode", "npm install -g opencode-ai", "default"),
+    "opencode": ("opencode", "npm install -g opencode-ai", "gpt-5.5"),
 }
+#: The smallest context an agent's prompt fits in: Claude Code's first request is ~30k
+#: tokens, opencode's ~16k, with room to work.
+AGENT_CONTEXT = 32_768
+
+
+def pick_model(server: str, key: str, asked: str, keep_name: bool = False) -> str:
+    """The server's model for a client that would ask for ``asked``: the model that name
+    routes to (the bundled ``agents``, through its claude-* and gpt-* aliases; with
+    ``keep_name``, ``asked`` itself, which then routes there), else the model with the
+    longest context; ``asked`` itself when the server does not answer.
+    A model whose context cannot hold an agent's prompt is passed over (the bundled
+    demo's 1,024 tokens failed opencode's first request)."""
+    import httpx
+
+    try:
+        with httpx.Client(base_url=server, timeout=5,
+                          headers={"Authorization": f"Bearer {key}"}) as c:
+            def context(name: str) -> int:
+                r = c.post("/api/show", json={"model": name})
+                info = (r.json().get("model_info") or {}) if r.status_code == 200 else {}
+                return max([v for k, v in info.items() if k.endswith(".context_length")
+                            and isinstance(v, int)] or [0])
+
+            routed = c.get(f"/v1/models/{asked}")
+            root = routed.json().get("root") if routed.status_code == 200 else None
+            if root and context(root) >= AGENT_CONTEXT:
+                return asked if keep_name else root
+            models = [m["id"] for m in c.get("/v1/models").json()["data"]
+                      if m["id"] == m.get("root")]
+            fits = sorted(((context(m), m) for m in models), reverse=True)
+            if fits and fits[0][0] >= AGENT_CONTEXT:
+                return fits[0][1]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    return asked
 
 
 @dataclass
@@ -41,12 +77,18 @@ class Launch:
 def plan(client: str, server: str, key: str, model: Optional[str], extra: list[str],
          config_dir: Path) -> Launch:
     """What to run for ``client`` against the gateway at ``server``."""
-    exe, _, default_model = CLIENTS[client]
-    model = model or default_model
+    exe, _, asks = CLIENTS[client]
     key = key or "unused"
+    # Codex picks its tools by the model's name (apply_patch only for names it knows):
+    # it keeps sending its own, which the server routes
+    model = model or pick_model(server, key, asks, keep_name=client == "codex")
     if client == "claude":
+        # The server's own model name (Claude Code calls an old claude-* name "retired" on
+        # every run); its side requests (Haiku's) go to the same model.
         return Launch([exe, "--model", model, *extra],
-                      {"ANTHROPIC_BASE_URL": server, "ANTHROPIC_API_KEY": key})
+                      {"ANTHROPIC_BASE_URL": server, "ANTHROPIC_API_KEY": key,
+                       "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+                       "ANTHROPIC_SMALL_FAST_MODEL": model})
     if client == "codex":
         provider = (f'model_providers.mlxfleet={{name="mlxfleet", base_url="{server}/v1", '
                     'wire_api="responses", env_key="MLXFLEET_CLIENT_KEY"}')
