@@ -114,3 +114,45 @@ def test_a_large_inline_warm_prompt_starts_and_stays_out_of_ps(fleet):
     with open(f"/proc/{st['pid']}/cmdline", "rb") as f:
         assert b"warm-secret" not in f.read()  # not on the command line any local user reads
     (fleet.dir / "big.yaml").unlink()
+
+
+def test_a_captured_agent_request_warms_the_cache_for_every_new_session(tmp_path_factory):
+    """cache.warmPrompts naming a file with a request as an agent sent it (Claude Code's
+    system blocks, billing line and tools): once loaded, a new session, with another
+    billing line and another question, reads >= 95% of its prompt from cache."""
+    import json
+
+    import anthropic
+
+    tools = [{"name": f"tool_{i}", "description": f"Does thing number {i} to a file. " * 4,
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                               "required": ["path"]}} for i in range(4)]
+    system = "You are an agent that helps with code, carefully and briefly. " * 8
+
+    def body(billing: str, question: str) -> dict:
+        return {"model": "agent", "max_tokens": 4, "tools": tools,
+                "system": [{"type": "text", "text": "x-anthropic-billing-header: "
+                            f"cc_version=2.1.332.{billing}; cc_entrypoint=sdk-cli;"},
+                           {"type": "text", "text": system}],
+                "messages": [{"role": "user", "content": question}]}
+
+    f = Fleet(tmp_path_factory.mktemp("warm-agent"))
+    (f.dir / "captured.json").write_text(json.dumps(
+        [{"path": "/v1/messages", "body": body("3a1", "Please list the files.")}]))
+    f.write("agent.yaml", manifest("agent", cache={"warmPrompts": "captured.json"}))
+    try:
+        f.start()
+        f.wait_ready("agent")
+        import time
+
+        deadline = time.monotonic() + 30  # the warm-up runs once the model is loaded
+        while "warmed the prompt cache with 1 of 1" not in httpx.get(
+                f"{f.url}/mlxfleet/v1/models/agent/logs?tail=50", timeout=10).text:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        m = anthropic.Anthropic(base_url=f.url, api_key="x").messages.create(
+            **body("b7e", "What does tool_3 do?"))
+        total = m.usage.input_tokens + m.usage.cache_read_input_tokens
+        assert m.usage.cache_read_input_tokens >= 0.95 * total, m.usage
+    finally:
+        f.stop()

@@ -385,10 +385,9 @@ class Worker:
             return
         await self.engine.wait_ready()
         done = 0
-        for messages in conversations:
+        for entry in conversations:
             try:
-                req = GenRequest(messages=messages, max_tokens=1, temperature=0.0)
-                prompts, _, params, _ = _prepare(self.model_info(), req)
+                prompts, _, params, _ = _prepare(self.model_info(), warm_request(entry))
                 await Pipeline(self.engine, self.engine.submit(prompts, params), OutputPlan(),
                                None, len(prompts[0]), 1, False).collect()
                 done += 1
@@ -406,17 +405,49 @@ class Worker:
 MAX_WARM_FILE = 32 << 20
 
 
+def warm_request(entry: Any) -> GenRequest:
+    """One warm prompt: a conversation (a list of chat messages), or a request a client
+    sent, as captured (``{"path": "/v1/messages", "body": {...}}``, or the bare body:
+    Anthropic's when it has ``system`` or tools with ``input_schema``, Responses' when it
+    has ``input``, else OpenAI chat), tools and all, so that the prefix an agent sends
+    (its system prompt and tools: tens of thousands of tokens) is the one cached."""
+    if isinstance(entry, list):
+        return GenRequest(messages=entry, max_tokens=1, temperature=0.0)
+    if not isinstance(entry, dict):
+        raise ValueError("a warm prompt is a list of messages or a captured request")
+    path, body = (entry.get("path"), entry["body"]) if "body" in entry else (None, entry)
+    body = {"model": "warm", **{k: v for k, v in body.items()
+                                if k not in ("stream", "max_output_tokens")}}
+    tools = body.get("tools") or []
+    if path == "/v1/responses" or (path is None and "input" in body):
+        from .responses import responses_request
+
+        req = responses_request({**body, "max_output_tokens": 16})
+    elif path == "/v1/messages" or (path is None and ("system" in body or any(
+            isinstance(t, dict) and "input_schema" in t for t in tools))):
+        from .anthropic import messages_request
+
+        req = messages_request({**body, "max_tokens": 1})
+    else:
+        from .openai_api import chat_request
+
+        req = chat_request({**body, "max_tokens": 1})
+    req.max_tokens, req.temperature = 1, 0.0
+    return req
+
+
 def _warm_file(path: str) -> list:
-    """The conversations of a ``warmPrompts`` file: a JSON list of message lists; a file
-    that is not one is logged and skipped (the model serves without them)."""
+    """The warm prompts of a ``warmPrompts`` file: a JSON list of conversations (message
+    lists) or captured requests; a file that is not one is logged and skipped (the model
+    serves without them)."""
     import json
 
     from ..files import read_regular
 
     try:
         data = json.loads(read_regular(Path(path), MAX_WARM_FILE))
-        if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
-            raise ValueError("not a JSON list of message lists")
+        if not isinstance(data, list) or not all(isinstance(c, (list, dict)) for c in data):
+            raise ValueError("not a JSON list of conversations or requests")
     except (OSError, ValueError) as e:
         log.warning("cache.warmPrompts: cannot use %s: %s", path, e)
         return []
