@@ -227,7 +227,7 @@ def test_a_client_that_hangs_up_counts_as_499_and_stops_its_generation(secured):
     long = {**CHAT, "max_tokens": 1900, "ignore_eos": True}
     for _ in range(2):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=0.2,
+            httpx.post(secured.url + "/v1/chat/completions", headers=auth(), timeout=1.0,
                        json=long)
     with httpx.stream("POST", secured.url + "/v1/chat/completions", headers=auth(),
                       json={**long, "stream": True}) as r:
