@@ -153,8 +153,7 @@ def one_token(url: str, route: str, body: dict, model: str) -> tuple[float, int,
     body = {**body, "model": model, "stream": False, "temperature": 0}
     for k in ("max_tokens", "max_output_tokens", "max_completion_tokens"):
         body.pop(k, None)
-    body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = \
-        16 if route == "/v1/responses" else 1
+    body["max_output_tokens" if route == "/v1/responses" else "max_tokens"] = 1
     t0 = time.perf_counter()
     r = httpx.post(url + route, json=body, timeout=900)
     dt = time.perf_counter() - t0

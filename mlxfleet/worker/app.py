@@ -422,7 +422,7 @@ def warm_request(entry: Any) -> GenRequest:
     if path == "/v1/responses" or (path is None and "input" in body):
         from .responses import responses_request
 
-        req = responses_request({**body, "max_output_tokens": 16})
+        req = responses_request({**body, "max_output_tokens": 1})
     elif path == "/v1/messages" or (path is None and ("system" in body or any(
             isinstance(t, dict) and "input_schema" in t for t in tools))):
         from .anthropic import messages_request
