@@ -26,15 +26,20 @@ async def engine():
     await asyncio.to_thread(e.stop)
 
 
-async def run(e: Engine, max_tokens: int = 4) -> list:
-    """Submit one prompt; the events until it ends (tokens, or an EngineError)."""
-    gen = e.submit([[1, 2, 3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+async def events_of(gen) -> list:
+    """A generation's events until it ends (tokens, or an EngineError)."""
     out = []
     while True:
         ev = await asyncio.wait_for(gen.events.get(), 30)
         out.append(ev)
         if isinstance(ev, EngineError) or (isinstance(ev, TokenEvent) and ev.finish_reason):
             return out
+
+
+async def run(e: Engine, max_tokens: int = 4) -> list:
+    """Submit one prompt; the events until it ends."""
+    return await events_of(e.submit([[1, 2, 3]], SamplingParams(max_tokens=max_tokens,
+                                                                ignore_eos=True)))
 
 
 def out_of_memory(*_a, **_k):
@@ -96,15 +101,7 @@ async def test_a_sequence_that_fails_fails_alone_with_its_traceback_logged(engin
 
     engine._seqs[a.uids[0]].decoder.feed = unreadable
 
-    async def drain(gen) -> list:
-        out = []
-        while True:
-            ev = await asyncio.wait_for(gen.events.get(), 30)
-            out.append(ev)
-            if isinstance(ev, EngineError) or (isinstance(ev, TokenEvent) and ev.finish_reason):
-                return out
-
-    got_a, got_b = await asyncio.gather(drain(a), drain(b))
+    got_a, got_b = await asyncio.gather(events_of(a), events_of(b))
     assert isinstance(got_a[-1], EngineError) and "IndexError" in got_a[-1].message
     assert all(isinstance(e, TokenEvent) for e in got_b) and len(got_b) == 200
     assert got_b[-1].finish_reason == "length"
