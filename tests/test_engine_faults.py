@@ -108,3 +108,30 @@ async def test_a_sequence_that_fails_fails_alone_with_its_traceback_logged(engin
     assert any(r.exc_info for r in caplog.records), "the log has the traceback"
     await asyncio.sleep(0.2)
     assert engine.problem() is None and engine.snapshot["kv_reserved_bytes"] == 0
+
+
+async def test_a_long_answer_reserves_its_kv_as_it_grows_and_gives_it_all_back(engine):
+    """A sequence reserves KV for RESERVE_TOKENS of output at a time (an agent asking
+    for 32k tokens no longer holds that budget from its first token): past it, the
+    reservation grows; at the end all of it is handed back."""
+    from mlxfleet.worker.engine import RESERVE_TOKENS
+
+    gen = engine.submit([[1, 2, 3]], SamplingParams(max_tokens=RESERVE_TOKENS + 100,
+                                                     ignore_eos=True))
+    seen: list[int] = []
+
+    async def watch():
+        while True:
+            seq = engine._seqs.get(gen.uids[0]) if gen.uids else None
+            if seq is not None:
+                seen.append(seq.reserved)
+            await asyncio.sleep(0.002)
+
+    w = asyncio.ensure_future(watch())
+    events = await events_of(gen)
+    w.cancel()
+    assert len(events) == RESERVE_TOKENS + 100 and events[-1].finish_reason == "length"
+    start = engine.policy.need(3, RESERVE_TOKENS)
+    assert seen and seen[0] == start and max(seen) > start, (seen[:3], max(seen), start)
+    await asyncio.sleep(0.2)
+    assert engine.snapshot["kv_reserved_bytes"] == 0

@@ -84,6 +84,7 @@ class _Seq:
     decoder: SequenceDecoder
     processors: list = field(default_factory=list)  # its logits processors
     key: Optional[list[int]] = None  # prompt-cache key of a prompt with images
+    prompt_length: int = 0  # its prompt's tokens (the longest of its request's prompts)
     length: int = 0  # tokens it holds now (prompt and output)
     reserved_length: int = 0  # tokens its reservation covers
 
@@ -559,7 +560,7 @@ class Engine:
         """A sequence past its reservation reserves the next ``RESERVE_TOKENS`` (never
         more than its ``max_tokens``); retained prompt caches give way first. Running
         sequences are never stopped for it: new ones wait until there is room."""
-        prompt = seq.reserved_length - min(seq.gen.params.max_tokens, RESERVE_TOKENS)
+        prompt = seq.prompt_length
         out = min(seq.length - prompt + RESERVE_TOKENS, seq.gen.params.max_tokens)
         more = self.policy.need(prompt, out) - seq.reserved
         seq.reserved_length = prompt + out
@@ -695,7 +696,7 @@ class Engine:
         longest = max(len(pr) for pr in gen.prompts)
         for i, uid in enumerate(uids):
             self._seqs[uid] = _Seq(gen, i, need, decoders[i], procs[i], key, longest,
-                                   longest + min(p.max_tokens, RESERVE_TOKENS))
+                                   longest, longest + min(p.max_tokens, RESERVE_TOKENS))
         self._reserved += need * len(uids)
 
     def _count_request(self, gen: Generation) -> None:
