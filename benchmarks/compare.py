@@ -297,7 +297,7 @@ def main() -> None:
 
         # The gateway's hop on tiny non-streaming requests: against its own worker, asked
         # on its Unix socket (the same process, so the difference is the hop alone).
-        sock = next((tmp / "run").glob("mlxfleet-*/bench.*.sock"))
+        sock = next((tmp / "run").glob("mlxfleet-*/*.sock"))  # its one worker
         clients = {"gateway": httpx.Client(base_url=urls["gateway"], timeout=60),
                    "own": httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)),
                                        base_url="http://worker", timeout=60)}

@@ -13,6 +13,7 @@ whether a model runs here (this client) or on another node (httpx).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,13 @@ from .handle import WorkerFailed, WorkerUnreachable
 _MAX_HEAD = 64 << 10  # response line and headers
 _READ = 64 << 10
 _IDLE_CONNECTIONS = 32  # kept open per worker; more are closed when returned
+#: New connections being opened to one worker at once. A burst of clients (512 at once)
+#: connecting all together overflowed the worker's accept queue (its listen backlog),
+#: and the kernel refused the rest (EAGAIN): 16 of 512 requests failed with a 502.
+_CONNECTING = 32
+#: How long a connection may wait for room in a worker's accept queue before it counts
+#: as unreachable (a worker busy accepting hundreds takes milliseconds per connection).
+_BACKLOG_WAIT = 10.0
 
 
 class UpstreamResponse:
@@ -100,6 +108,7 @@ class UDSClient:
     def __init__(self, path: Path):
         self.path = str(path)
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._connecting = asyncio.Semaphore(_CONNECTING)
 
     async def request(self, method: str, path: str, body: bytes,
                       headers: dict[str, str]) -> UpstreamResponse:
@@ -123,7 +132,7 @@ class UDSClient:
             except _Stale as e:
                 stale = e  # closed under us before answering anything: a fresh one
         try:
-            reader, writer = await asyncio.open_unix_connection(self.path, limit=_MAX_HEAD)
+            reader, writer = await self._connect()
         except OSError as e:
             if stale is not None:  # it took the request, then died: not safe to resend
                 raise WorkerFailed(f"{stale}, and is gone") from None
@@ -132,6 +141,21 @@ class UDSClient:
             return await self._exchange(reader, writer, data, method)
         except _Stale as e:
             raise WorkerFailed(str(e)) from None
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A new connection, waiting its turn: a few connect at a time, and one whose
+        worker's accept queue is full (EAGAIN) tries again shortly instead of failing."""
+        async with self._connecting:
+            deadline = time.monotonic() + _BACKLOG_WAIT
+            delay = 0.002
+            while True:
+                try:
+                    return await asyncio.open_unix_connection(self.path, limit=_MAX_HEAD)
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                         data: bytes, method: str) -> UpstreamResponse:

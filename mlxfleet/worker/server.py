@@ -57,6 +57,9 @@ async def serve_worker(config: WorkerConfig, bind: str,
     hc.bind = [_hypercorn_bind(bind)]
     hc.graceful_timeout = config.drain_timeout
     hc.keep_alive_timeout = 75  # clients (and the gateway) keep connections pooled
+    # room in the accept queue for every request the worker takes (the kernel caps it:
+    # somaxconn); the gateway connects a few at a time besides (uds_client)
+    hc.backlog = max(1024, config.max_concurrency + config.max_queue)
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     _watch_parent(loop, stop)
