@@ -600,7 +600,9 @@ class Engine:
             if uids:
                 self._remove(uids, keep_prefix=True)
                 self.stats.cancelled_total += 1
-            elif item.gen in self._pending:  # not started: _admit drops it
+            elif not item.gen.uids:  # never started: waiting (``_admit`` drops it), or
+                # dropped already (its flag is set on the event loop, before this item
+                # is read: counting only what was still pending lost those)
                 self.stats.cancelled_total += 1
         self._count()
         return True
