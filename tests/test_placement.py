@@ -99,3 +99,32 @@ def test_every_node_computes_the_same_answer():
     again = place(models, [NodeView(n.name, n.labels, n.capacity, n.healthy, held[n.name])
                            for n in ns])
     assert again == first
+
+
+def test_one_nodes_absurd_estimate_is_not_believed_and_said_so(caplog):
+    """Every node takes the largest estimate any node reports, so that all place alike;
+    one node reporting 1 PB for a model made it Unschedulable on every node. A report
+    beyond what any other node can hold is a warning with both figures instead."""
+    from types import SimpleNamespace
+
+    from mlxfleet.manifest import LoadedManifest, Manifest, NodeManifest
+    from mlxfleet.supervisor.fleet import Fleet
+
+    def node(name: str, memory: str) -> NodeManifest:
+        return NodeManifest.model_validate({
+            "apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": name},
+            "spec": {"url": f"http://{name}:8000", "memory": memory}})
+
+    f = Fleet("a", SimpleNamespace(fleet_key=None, fleet_grace=15))
+    f.set_nodes([node("a", "16GB"), node("b", "32GB"), node("c", "8GB")])
+    lm = LoadedManifest(Manifest.model_validate({
+        "apiVersion": "mlxfleet/v1", "kind": "Model", "metadata": {"name": "m"},
+        "spec": {"source": "x/y"}}), "m.yaml", 1)
+    f.peers["b"].report = {"estimates": {"m": 6 * GB}}
+    f.peers["c"].report = {"estimates": {"m": 1 << 50}}  # 1 PB: a bug, or a lie
+    assert f.estimate(lm, 2 * GB, 16 * GB) == 6 * GB  # the largest believable one
+    assert "node c estimates model m at" in caplog.text and "not believed" in caplog.text
+    f.peers["c"].report = {"estimates": {"m": 20 * GB}}  # fits b: believed
+    assert f.estimate(lm, 2 * GB, 16 * GB) == 20 * GB
+    f.peers["b"].report = {"estimates": {"m": "lots"}}  # not a number: ignored
+    assert f.estimate(lm, 2 * GB, 16 * GB) == 20 * GB

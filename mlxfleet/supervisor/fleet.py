@@ -27,6 +27,7 @@ import httpx
 
 from ..fleet_auth import AUTH_HEADER, FORWARDED_HEADER, answer_ok, sign
 from ..manifest import LoadedManifest, NodeManifest
+from ..units import fmt_bytes
 from .placement import ModelView, NodeView, Placement, place
 
 
@@ -73,6 +74,7 @@ class Fleet:
         self.held: frozenset[str] = frozenset()  # models placed here by the last placement
         self.placements: dict[str, Placement] = {}
         self._estimates: dict[tuple[str, Optional[str]], int] = {}
+        self._doubted: dict[tuple[str, str], int] = {}  # (node, model) -> a report not believed
         self._client: Optional[httpx.AsyncClient] = None
         self.polled = False  # the other nodes were asked once (before the first placement)
 
@@ -124,14 +126,33 @@ class Fleet:
 
     # ---- placement ---------------------------------------------------------
 
-    def estimate(self, lm: LoadedManifest, local_bytes: Optional[int]) -> int:
+    def estimate(self, lm: LoadedManifest, local_bytes: Optional[int],
+                 own_capacity: Optional[int] = None) -> int:
         """A model's memory estimate: the largest any node reports, so every node uses
-        the same number once the reports have gone round."""
+        the same number once the reports have gone round; but a node's report is
+        believed only up to the largest capacity of the *other* nodes (a model larger
+        than that runs nowhere but on the reporter, whose word it would then be alone):
+        one node reporting 1 PB made every model Unschedulable on every node. Such a
+        report is a warning with both figures, once."""
+        name = lm.manifest.name
         best = local_bytes or 0
+        caps = {p.name: capacity(p.manifest, p.report or {}) or 0 for p in self.peers.values()}
+        caps[self.me] = own_capacity or 0
         for p in self.peers.values():
-            if p.report:
-                best = max(best, int((p.report.get("estimates") or {}).get(lm.manifest.name)
-                                     or 0))
+            try:
+                reported = int((p.report or {}).get("estimates", {}).get(name) or 0)
+            except (TypeError, ValueError, AttributeError):
+                reported = 0
+            ceiling = max((c for n, c in caps.items() if n != p.name), default=0)
+            if ceiling and reported > max(ceiling, best):
+                if self._doubted.get((p.name, name)) != reported:
+                    self._doubted[(p.name, name)] = reported
+                    log.warning("node %s estimates model %s at %s, more than any other node "
+                                "of the fleet can hold (%s): not believed; using %s",
+                                p.name, name, fmt_bytes(reported), fmt_bytes(ceiling),
+                                fmt_bytes(best))
+                continue
+            best = max(best, max(reported, 0))
         return best
 
     def place(self, desired: Mapping[str, LoadedManifest], estimates: Mapping[str, int],

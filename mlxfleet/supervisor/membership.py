@@ -68,7 +68,8 @@ class FleetMembership:
         if me is None:
             log.warning("no Node manifest named %s in %s: this node runs no model and only "
                         "routes", fleet.me, self.manifests_dir)
-        estimates = {n: fleet.estimate(lm, self._estimates.get(n)) for n, lm in desired.items()}
+        estimates = {n: fleet.estimate(lm, self._estimates.get(n), self.memory_budget)
+                     for n, lm in desired.items()}
         placements = fleet.place(desired, estimates, self.memory_budget) if me is not None \
             else {}
         local: dict[str, LoadedManifest] = {}
