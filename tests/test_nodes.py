@@ -242,6 +242,50 @@ def test_editing_placement_moves_a_model_and_only_that_one(nodes):
         assert wait_for(lambda n=n: where(n) == EXPECTED, 30), (where(n), n.logs())
 
 
+def test_a_silent_node_is_given_up_on_in_seconds_naming_why(nodes):
+    """A stopped node (SIGSTOP: its kernel still accepts connections) left a forwarded
+    request waiting for its whole timeout (300 s, then a 504). Now a request waiting on
+    it ends once the node misses two polls, and a new one is refused at once: 503
+    node_unreachable, saying why; the node answers again when it is back."""
+    import threading
+    import time
+
+    a, b = nodes["a"], nodes["b"]
+    got: dict = {}
+
+    def long_request():
+        t0 = time.monotonic()
+        r = httpx.post(a.url + "/v1/chat/completions", timeout=60, json={
+            "model": "pinned-b", "max_tokens": 1500, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]})
+        got.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.5)
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        t.join(30)
+        assert got.get("status") == 503, got
+        err = got["body"]["error"]
+        assert err["code"] == "node_unreachable" and "'b' stopped answering" in \
+            err["message"], err
+        assert got["seconds"] < 15, got  # (300 s before)
+        with pytest.raises(openai.APIStatusError) as e:
+            a.chat("pinned-b")
+        assert e.value.status_code == 503 and "stopped answering" in e.value.message
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+
+    def answers() -> bool:
+        try:
+            return a.chat("pinned-b").choices[0].message.content is not None
+        except openai.APIStatusError:
+            return False
+
+    assert wait_for(answers, 20)
+
+
 def test_a_dead_node_loses_its_models_and_gets_back_the_pinned_ones(nodes):
     """Last: kills node c. Its unpinned models move; the one only c may run answers 503
     naming c; when c is back, the moved models stay where they are (no flapping)."""

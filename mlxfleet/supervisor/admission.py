@@ -164,8 +164,11 @@ class Lease:
                 await self.model.ensure_ready(self.deadline)
                 self.worker = self.model.begin()
             except WorkerFailed as e:
+                if e.retry_after is not None:
+                    raise AdmissionError(503, str(e), e.code,
+                                         retry_after=e.retry_after) from None
                 raise AdmissionError(502, f"The worker for model '{self.name}' failed: {e}",
-                                     "worker_unavailable") from None
+                                     e.code) from None
             except (asyncio.TimeoutError, TimeoutError):
                 raise timeout_error(self.name) from None
         raise AssertionError("unreachable")

@@ -22,7 +22,13 @@ class WorkerUnreachable(Exception):
 
 
 class WorkerFailed(Exception):
-    """The worker broke off an exchange that had started."""
+    """The worker broke off an exchange that had started. ``retry_after`` and ``code``:
+    when it may be back and why (a node of a fleet that went silent: a 503)."""
+
+    def __init__(self, message: str, retry_after: Optional[float] = None,
+                 code: str = "worker_unavailable"):
+        super().__init__(message)
+        self.retry_after, self.code = retry_after, code
 
 
 @runtime_checkable

@@ -10,6 +10,7 @@ only routes, and shows the status that node reports.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -26,6 +27,11 @@ from .fleet import Fleet
 from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
 from .lifecycle import ModelPhase
 from .placement import Placement
+
+#: Polls a node may miss before requests stop waiting on it (``RemoteWorker.silent``).
+SILENT_POLLS = 2
+#: How often a request waiting on another node checks that it still answers (seconds).
+WATCH_INTERVAL = 0.25
 
 
 class RemoteWorker(InflightCounter):
@@ -54,14 +60,43 @@ class RemoteWorker(InflightCounter):
     async def wait_exit(self) -> Optional[int]:
         return None
 
+    def silent(self) -> Optional[str]:
+        """Why the node counts as silent, or None: it missed its last ``SILENT_POLLS``
+        polls. A stopped process or a cut link may still accept connections (the
+        kernel does), so a request would wait for its whole timeout (300 s); its polls
+        tell within seconds."""
+        p = self.fleet.peers.get(self.node)
+        if p is None or p.failures < SILENT_POLLS:
+            return None
+        return (f"node '{self.node}' stopped answering: its last {p.failures} polls "
+                f"failed ({p.error}); its models move to other nodes once it has been "
+                f"silent for {self.fleet.grace:g}s, where their placement allows")
+
+    async def watched(self, aw: Any) -> Any:
+        """``aw``, given up on with a 503 ``node_unreachable`` as soon as the node goes
+        silent (``silent``)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_INTERVAL)
+                if done:
+                    return task.result()
+                why = self.silent()
+                if why:
+                    raise WorkerFailed(why, retry_after=self.fleet.grace,
+                                       code="node_unreachable")
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def forward(self, method: str, path: str, body: bytes,
-                      headers: dict[str, str]) -> httpx.Response:
+                      headers: dict[str, str]) -> Any:
         url = self.fleet.url(self.node)
         client = self.fleet.client
         req = self.fleet.sign(client.build_request(method, url + path, content=body,
                                                    headers=headers))
         try:  # straight to the pooled transport, as WorkerProcess.forward does
-            resp = await self.fleet.transport.handle_async_request(req)
+            resp = await self.watched(self.fleet.transport.handle_async_request(req))
         except httpx.ConnectError as e:
             raise WorkerUnreachable(f"Node '{self.node}' ({url}) is unreachable: {e}. Its "
                                     "models move to other nodes once it has been down for "
@@ -69,9 +104,10 @@ class RemoteWorker(InflightCounter):
                                     retry_after=self.fleet.grace, code="node_unreachable"
                                     ) from None
         except httpx.TransportError as e:
-            raise WorkerFailed(f"node {self.node}: {e or type(e).__name__}") from None
+            raise WorkerFailed(f"node '{self.node}' ({url}): {type(e).__name__}"
+                               + (f": {e}" if str(e) else "")) from None
         resp.request = req
-        return resp
+        return _Watched(resp, self)
 
     async def get_json(self, path: str, timeout: float) -> Optional[dict]:
         return None
@@ -87,6 +123,32 @@ class RemoteWorker(InflightCounter):
 
     async def close(self) -> None:
         return None
+
+
+class _Watched:
+    """A node's answer whose body is given up on when the node goes silent (the
+    subset of ``httpx.Response`` the gateway reads)."""
+
+    def __init__(self, resp: httpx.Response, worker: RemoteWorker):
+        self._resp, self._worker = resp, worker
+        self.status_code, self.headers = resp.status_code, resp.headers
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        chunks = self._resp.aiter_raw()
+        while True:
+            try:
+                chunk = await self._worker.watched(chunks.__anext__())
+            except StopAsyncIteration:
+                return
+            except WorkerFailed as e:
+                raise httpx.ReadError(str(e)) from None
+            yield chunk
+
+    async def aread(self) -> bytes:
+        return b"".join([c async for c in self.aiter_raw()])
+
+    async def aclose(self) -> None:
+        await self._resp.aclose()
 
 
 class RemoteModel:
@@ -151,11 +213,16 @@ class RemoteModel:
         return float("inf") if ka == "forever" else float(ka or 0)
 
     def check(self) -> None:
-        """Raise the 503 a request for this model gets when no node can serve it."""
+        """Raise the 503 a request for this model gets when no node can serve it, or
+        when its node went silent (at once, rather than waiting on it)."""
         if self.node is None:
             raise AdmissionError(503, f"Model '{self.name}' cannot run on any node: "
                                  f"{self.placement.reason}.", "model_unschedulable",
                                  retry_after=max(5, self.fleet.grace))
+        why = self.worker.silent() if self.worker is not None else None
+        if why:
+            raise AdmissionError(503, f"Model '{self.name}' is unavailable: {why}.",
+                                 "node_unreachable", retry_after=self.fleet.grace)
 
     async def ensure_ready(self, deadline: float) -> None:
         self.check()  # the node that runs it loads it, when the request gets there
