@@ -242,6 +242,38 @@ def test_editing_placement_moves_a_model_and_only_that_one(nodes):
         assert wait_for(lambda n=n: where(n) == EXPECTED, 30), (where(n), n.logs())
 
 
+def test_a_node_with_another_key_says_so_and_takes_no_model(nodes, tmp_path):
+    """A node started with a mistyped fleet key placed every model on itself and served
+    them, silently. Now it sees every other node refuse it: it says so (log, get nodes)
+    and takes none of the fleet's models; the others see it refuse them."""
+    a = nodes["a"]
+    d = Fleet(tmp_path / "d", {**ENV, "MLXFLEET_FLEET_KEY": "a-typo"}, manifests=a.dir,
+              args=("--node", "d"))
+    d.write("node-d.yaml", node_doc("d", d.url, "64GB"))
+    try:
+        d.start()
+
+        def own() -> dict:
+            rows = httpx.get(d.url + "/mlxfleet/v1/nodes", timeout=10).json()["items"]
+            return {r["name"]: r for r in rows}
+
+        assert wait_for(lambda: own()["d"]["status"] == "Rejected", 20), (own(), d.logs())
+        assert own()["a"]["status"] == "RejectsOurKey" and "fleet key" in own()["a"]["error"]
+        assert "every other node of the fleet refuses this node's fleet key" in d.logs()
+        assert not own()["d"]["models"]  # (it took them all: 64 GB, the most room)
+        seen = {r["name"]: r for r in httpx.get(a.url + "/mlxfleet/v1/nodes",
+                                                timeout=10).json()["items"]}
+        assert wait_for(lambda: {r["name"]: r for r in httpx.get(
+            a.url + "/mlxfleet/v1/nodes", timeout=10).json()["items"]}["d"]["status"]
+            == "RejectsOurKey", 20), seen
+        assert where(a) == EXPECTED  # the fleet's placement did not change
+    finally:
+        d.stop()
+        (a.dir / "node-d.yaml").unlink(missing_ok=True)
+    for n in nodes.values():
+        assert wait_for(lambda n=n: where(n) == EXPECTED, 30), where(n)
+
+
 def test_a_silent_node_is_given_up_on_in_seconds_naming_why(nodes):
     """A stopped node (SIGSTOP: its kernel still accepts connections) left a forwarded
     request waiting for its whole timeout (300 s, then a 504). Now a request waiting on

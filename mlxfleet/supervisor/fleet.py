@@ -38,6 +38,8 @@ class NodeState(str, Enum):
     NOT_READY = "NotReady"  # failing, within the grace period: its models stay placed
     LOST = "Lost"  # down past the grace period: its models moved
     UNKNOWN = "Unknown"  # not answered yet
+    REJECTS_US = "RejectsOurKey"  # answers, but refuses this node's fleet key
+    REJECTED = "Rejected"  # this node: every other node refuses its key (takes no model)
 
 log = logging.getLogger("mlxfleet.fleet")
 
@@ -53,6 +55,7 @@ class Peer:
     last_ok: Optional[float] = None  # monotonic
     error: Optional[str] = None
     failures: int = 0
+    rejects: bool = False  # it answered 401: it does not share this node's fleet key
 
     @property
     def name(self) -> str:
@@ -112,12 +115,20 @@ class Fleet:
         since = p.last_ok if p.last_ok is not None else self.started
         return time.monotonic() - since < self.grace
 
+    @property
+    def rejected(self) -> bool:
+        """Every other node refuses this node's fleet key (a mistyped key): this node is
+        not part of the fleet, and takes none of its models."""
+        return bool(self.peers) and all(p.rejects for p in self.peers.values())
+
     def node_status(self, node: str) -> NodeState:
         if node == self.me:
-            return NodeState.READY
+            return NodeState.REJECTED if self.rejected else NodeState.READY
         p = self.peers.get(node)
         if p is None:
             return NodeState.UNKNOWN
+        if p.rejects:
+            return NodeState.REJECTS_US
         if p.failures == 0 and p.last_ok is not None:
             return NodeState.READY
         if not self.healthy(node):
@@ -173,9 +184,9 @@ class Fleet:
     def node_views(self, own_capacity: int) -> list[NodeView]:
         out = []
         for name, n in sorted(self.nodes.items()):
-            if name == self.me:
-                out.append(NodeView(name, dict(n.metadata.labels), own_capacity, True,
-                                    self.held))
+            if name == self.me:  # (a node the fleet rejects offers no room)
+                out.append(NodeView(name, dict(n.metadata.labels),
+                                    0 if self.rejected else own_capacity, True, self.held))
                 continue
             rep = self.peers[name].report or {}
             out.append(NodeView(name, dict(n.metadata.labels), capacity(n, rep),
@@ -221,6 +232,9 @@ class Fleet:
             req = self.sign(self.client.build_request(
                 "GET", p.manifest.spec.url + NODE_PATH, timeout=timeout))
             r = await self.client.send(req)
+            if r.status_code == 401 and "invalid_fleet_key" in r.text:
+                self._rejected_by(p, r.text)
+                return
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
             if not self.answer_ok(req, r.status_code, r.content, r.headers):
@@ -237,9 +251,23 @@ class Fleet:
             p.failures += 1
             p.error = str(e) or type(e).__name__
             return
-        if p.failures or p.last_ok is None:
+        if p.failures or p.last_ok is None or p.rejects:
             log.info("node %s (%s) answers", p.name, p.manifest.spec.url)
         p.report, p.last_ok, p.failures, p.error = rep, time.monotonic(), 0, None
+        p.rejects = False
+
+    def _rejected_by(self, p: Peer, body: str) -> None:
+        """``p`` answered, refusing this node's signature: a fleet key that differs."""
+        was = self.rejected
+        if not p.rejects:
+            log.error("node %s (%s) refuses this node's fleet key (401 invalid_fleet_key): "
+                      "check MLXFLEET_FLEET_KEY on both", p.name, p.manifest.spec.url)
+        p.rejects, p.failures = True, p.failures + 1
+        p.error = "it refuses this node's fleet key (401 invalid_fleet_key)"
+        if self.rejected and not was:
+            log.error("every other node of the fleet refuses this node's fleet key: this "
+                      "node takes none of the fleet's models until the keys match (check "
+                      "MLXFLEET_FLEET_KEY)")
 
     async def close(self) -> None:
         if self._client is not None:
