@@ -22,6 +22,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,12 @@ FORWARDED_HEADER = "X-Mlxfleet-Forwarded-By"
 #: Seconds a signed request's timestamp may differ from this node's clock.
 SKEW = 120
 _NONCES = 200_000  # remembered within SKEW: a replay is refused
+
+
+#: The client's credentials on the request being served (its ``Authorization``), which a
+#: node passes along when it asks another node to change a model for that client: the
+#: fleet key lets a node forward and poll, never change models without an admin key.
+CLIENT_AUTH: ContextVar[Optional[str]] = ContextVar("mlxfleet_client_auth", default=None)
 
 
 class FleetAuthError(ValueError):

@@ -367,3 +367,34 @@ def test_sighup_reads_the_folder_again_and_keeps_serving(keyed):
     assert keyed.proc.poll() is None
     assert "SIGHUP: reading the manifests folder again" in keyed.logs()
     assert _cached(keyed, "kb", "still here") == 0
+
+
+# ---- the fleet key: forward and poll, nothing else -----------------------------------
+
+def test_a_node_may_forward_and_poll_but_changing_models_wants_the_admin_key():
+    """Whoever held the fleet key (a captured one) could apply a manifest on any node:
+    the key skipped the admin-key check. A signed node request may forward inference and
+    poll; a change still needs the admin key, passed along from its client."""
+    from mlxfleet.api.guard import Guard
+    from mlxfleet.fleet_auth import sign
+    from mlxfleet.wire import APIError
+
+    g = Guard(["client"], 0, admin_keys=["admin"], fleet_key="fk", fleet=True,
+              hosts=None)
+
+    def check(method: str, path: str, auth: str | None = None):
+        h = {k.lower(): v for k, v in sign("fk", "b", method, path).items()}
+        if auth:
+            h["authorization"] = f"Bearer {auth}"
+        return g.check(path, method, h, "10.0.0.2", path)
+
+    assert check("GET", "/mlxfleet/v1/node").sender == "b"
+    assert check("POST", "/v1/chat/completions").sender == "b"  # forwarded inference
+    for method, path in (("POST", "/mlxfleet/v1/manifests"),
+                         ("DELETE", "/mlxfleet/v1/models/m"), ("POST", "/api/pull")):
+        with pytest.raises(APIError) as e:
+            check(method, path)
+        assert e.value.status == 403 and e.value.code == "admin_key_required"
+        with pytest.raises(APIError):
+            check(method, path, "client")  # a client key is not enough either
+        assert check(method, path, "admin").sender == "b"  # the admin's, passed along

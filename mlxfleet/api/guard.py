@@ -14,6 +14,7 @@ from quart.wrappers.response import DataBody
 
 from ..fleet_auth import (
     AUTH_HEADER,
+    CLIENT_AUTH,
     FORWARDED_HEADER,
     FleetAuthError,
     Signed,
@@ -163,7 +164,15 @@ class Guard:
         sender = self._from_node(headers, remote_addr, method, target or path) \
             if self.fleet else None
         if sender is not None and self.fleet_key:
-            return sender  # another node, proven by the key: it admitted the client already
+            # another node, proven by the key: it admitted the client already, and may
+            # forward and poll; changing models still takes an admin key (its client's)
+            if self.admin_keys and ((path.startswith(CONTROL_PREFIX) and method in _WRITES)
+                                    or path in STORE_WRITES) \
+                    and not key_ok(presented_key(headers), self.admin_keys):
+                raise APIError(403, "A node of the fleet may forward requests and poll; "
+                               "changing models needs the admin key (MLXFLEET_ADMIN_KEY).",
+                               type="permission_error", code="admin_key_required")
+            return sender
         if path == NODE_ROUTE or path.startswith(PEER_ROUTE):
             if not self.fleet:  # a single machine serves its weights to nobody
                 raise APIError(404, "Not found: this server is not a node of a fleet.",
@@ -288,6 +297,8 @@ def install_guard(app: Quart, guard: Guard) -> None:
     async def _guard():
         g.request_id = request_id(request.headers.get("X-Request-Id"))
         g.started = time.perf_counter()
+        key = presented_key(request.headers)
+        CLIENT_AUTH.set(f"Bearer {key}" if key else None)  # (passed on to another node)
         sender = guard.check(request.path, request.method, request.headers,
                              request.remote_addr or "", target_of(request.scope))
         if sender is not None:

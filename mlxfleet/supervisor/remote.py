@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import httpx
 
+from ..fleet_auth import CLIENT_AUTH
 from ..manifest import Manifest
 from ..units import iso
 from ..wire import APIError
@@ -263,9 +264,11 @@ class RemoteModel:
         streamed answer, or its error as an ``APIError``."""
         self.check()
         fleet = self.fleet
+        auth = CLIENT_AUTH.get()  # a change needs the admin key there too
         req = fleet.sign(fleet.client.build_request(
             method, f"{fleet.url(self.node)}/mlxfleet/v1/models/{self.name}/{what}",
-            params=params, timeout=httpx.Timeout(timeout, connect=5)))
+            params=params, timeout=httpx.Timeout(timeout, connect=5),
+            headers={"Authorization": auth} if auth else {}))
         try:
             r = await fleet.client.send(req, stream=True)
         except httpx.HTTPError as e:
