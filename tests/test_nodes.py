@@ -342,6 +342,9 @@ def test_a_dead_node_loses_its_models_and_gets_back_the_pinned_ones(nodes):
     assert e.value.status_code == 503 and "down: c" in e.value.message, e.value.message
     lines = {ln.split()[0]: ln for ln in a.cli("get", "nodes").stdout.splitlines()[1:]}
     assert "Lost" in lines["c"]
+    rows = {r["name"]: r for r in httpx.get(a.url + "/mlxfleet/v1/nodes",
+                                            timeout=10).json()["items"]}
+    assert rows["c"]["memory"]["usedBytes"] is None  # not its last figure, as if alive
     # c comes back: sel-c returns to it, the moved models stay
     c.start()
     back = dict(moved, **{"sel-c": "c"})

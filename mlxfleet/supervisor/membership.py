@@ -149,7 +149,7 @@ class FleetMembership:
 
     def nodes_status(self) -> list[dict[str, Any]]:
         """Every node as this one sees it (``get nodes``)."""
-        from .fleet import capacity
+        from .fleet import NodeState, capacity
 
         fleet = self.fleet
         if fleet is None:
@@ -162,10 +162,13 @@ class FleetMembership:
                 p = fleet.peers[name]
                 rep, err = p.report or {}, p.error
                 seen = None if p.last_ok is None else time.monotonic() - p.last_ok
-            mem = rep.get("memory") or {}
+            status = fleet.node_status(name)
+            # a lost node's last figures are not its memory now: shown as unknown
+            mem = {} if status in (NodeState.LOST, NodeState.REJECTS_US) else \
+                rep.get("memory") or {}
             out.append({
                 "name": name, "url": n.spec.url, "labels": dict(n.metadata.labels),
-                "status": fleet.node_status(name).value, "self": name == fleet.me,
+                "status": status.value, "self": name == fleet.me,
                 "models": sorted(m for m, p in fleet.placements.items() if name in p.nodes),
                 "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": capacity(n, rep),
                            "totalBytes": mem.get("totalBytes")},
