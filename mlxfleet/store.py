@@ -163,6 +163,11 @@ def pull(source: str, revision: Optional[str] = None,
         signed = _signed_peer_listing(peers, source, revision) \
             if e.status == 502 and limits.peer_without_hub else None
         if signed is None:
+            if e.status == 502 and peers:  # say why the nodes were not asked
+                raise PullError(f"{e}; nodes {', '.join(p.name for p in peers)} were not "
+                                "asked: a copy from a node is checked against the hub's "
+                                "listing (peer_copy_without_hub trusts a node's signed "
+                                "listing instead)", 502) from None
             raise
         on_event({"status": f"the hub cannot be reached: using node {signed[0].name}'s "
                             "signed listing"})
