@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the linter and the whole test suite.
+# Set up (if needed), lint, and run the tests.
+#   bash scripts/test.sh        the fast tier, then everything else two at a time (CI)
+#   bash scripts/test.sh fast   the fast tier alone (under 90 s): run it on every change
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check mlxfleet tests benchmarks scripts examples
-.venv/bin/python -m pytest -q "$@"
+if [ "${1:-}" = "fast" ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -m fast "$@"
+fi
+.venv/bin/python -m pytest -q -m fast "$@"
+# Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
+# two share these cores well. worksteal spreads one file's tests (the zoo's) over both.
+.venv/bin/python -m pytest -q -m "not fast" -n "${MLXFLEET_TEST_PROCESSES:-2}" \
+  --dist worksteal "$@"

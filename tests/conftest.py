@@ -17,6 +17,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The fast tier (``bash scripts/test.sh fast``, well under 90 s): pure decisions as
+#: tables, the control plane against fake workers, formatters, in-process engine steps.
+#: Run it on every change; the rest (real processes, real models) runs in CI.
+FAST = frozenset({
+    "test_scheduler.py", "test_lifecycle.py", "test_formatters.py", "test_placement.py",
+    "test_manifest.py", "test_engine_policy.py", "test_engine_steps.py",
+    "test_uds_client.py", "test_mlx_lm_api.py", "test_prompt_cache.py"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in FAST:
+            item.add_marker(pytest.mark.fast)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -110,14 +124,14 @@ def worker(start_worker) -> WorkerProc:
 
 
 @pytest.fixture(scope="session")
-def demo_fleet(tmp_path_factory):
+def demo_served(tmp_path_factory):
     """One ``mlxfleet serve`` shared by the protocol tests (test_api_breadth,
     test_responses): ``demo`` (the trained model, greedy, alias ``default``), ``tiny``
     (reasoning parser qwen3) and ``tiny10m`` (builtin:tiny-10m); the Responses store
     keeps 3 per key."""
-    from fleet import Fleet, manifest
+    from served import Served, manifest
 
-    f = Fleet(tmp_path_factory.mktemp("demo-fleet"), env={"MLXFLEET_RESPONSES_STORE_MAX": "3"})
+    f = Served(tmp_path_factory.mktemp("demo-fleet"), env={"MLXFLEET_RESPONSES_STORE_MAX": "3"})
     f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
                                   defaults={"temperature": 0}))
     f.write("tiny.yaml", manifest("tiny", parsers={"reasoning": "qwen3"}))

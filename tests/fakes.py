@@ -123,7 +123,7 @@ class FakeWorker(InflightCounter):
         pass
 
 
-class FakeFleet:
+class FakeNode:
     """A Supervisor over a manifests folder whose workers are FakeWorkers."""
 
     def __init__(self, root: Path, **settings: Any):

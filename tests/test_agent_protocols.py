@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 #: A chat template that, like Qwen3.5's, takes one system message and only first.
 STRICT_TEMPLATE = (
@@ -23,7 +23,7 @@ STRICT_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def served(tmp_path_factory):
     from mlxfleet.builtin import write_builtin
 
     root = tmp_path_factory.mktemp("agents")
@@ -31,7 +31,7 @@ def fleet(tmp_path_factory):
     cfg = json.loads((strict / "tokenizer_config.json").read_text())
     cfg["chat_template"] = STRICT_TEMPLATE
     (strict / "tokenizer_config.json").write_text(json.dumps(cfg))
-    f = Fleet(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "256"})
+    f = Served(root, env={"MLXFLEET_DEFAULT_CACHE_MB": "256"})
     f.write("tiny.yaml", manifest("tiny", keepAlive="forever", aliases=["claude-*"]))
     f.write("strict.yaml", manifest("strict", source=str(strict), keepAlive="forever"))
     f.write("short.yaml", manifest("short", keepAlive="forever",
@@ -72,8 +72,8 @@ CLAUDE_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "x",
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_claude_codes_first_request_is_answered(fleet, stream):
-    r = httpx.post(fleet.url + "/v1/messages?beta=true", headers=CLAUDE_HEADERS, timeout=120,
+def test_claude_codes_first_request_is_answered(served, stream):
+    r = httpx.post(served.url + "/v1/messages?beta=true", headers=CLAUDE_HEADERS, timeout=120,
                    json=claude_code_body(stream=stream, max_tokens=64000))
     assert r.status_code == 200, r.text  # was 400: messages[1].role
     allowed = r.headers["x-mlxfleet-max-tokens"]
@@ -84,8 +84,8 @@ def test_claude_codes_first_request_is_answered(fleet, stream):
         assert r.json()["type"] == "message" and r.json()["model"]
 
 
-def test_the_anthropic_sdks_beta_client_with_a_late_system_message(fleet):
-    client = anthropic.Anthropic(base_url=fleet.url, api_key="x", max_retries=0)
+def test_the_anthropic_sdks_beta_client_with_a_late_system_message(served):
+    client = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0)
     with client.beta.messages.stream(  # sends ?beta=true and anthropic-beta
             model="claude-haiku-4-5", max_tokens=128000,
             betas=["context-management-2025-06-27"],
@@ -97,10 +97,10 @@ def test_the_anthropic_sdks_beta_client_with_a_late_system_message(fleet):
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens > 0
 
 
-def test_output_config_format_is_structured_output(fleet):
+def test_output_config_format_is_structured_output(served):
     schema = {"type": "object", "properties": {"title": {"type": "string"}},
               "required": ["title"], "additionalProperties": False}
-    r = httpx.post(fleet.url + "/v1/messages", headers=CLAUDE_HEADERS, timeout=120,
+    r = httpx.post(served.url + "/v1/messages", headers=CLAUDE_HEADERS, timeout=120,
                    json=claude_code_body(max_tokens=30, output_config={
                        "effort": "low", "format": {"type": "json_schema", "schema": schema}}))
     assert r.status_code == 200, r.text
@@ -109,8 +109,8 @@ def test_output_config_format_is_structured_output(fleet):
 
 
 @pytest.mark.parametrize("model", ["strict", "tiny"])
-def test_developer_and_late_system_messages_render_on_any_template(fleet, model):
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+def test_developer_and_late_system_messages_render_on_any_template(served, model):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(model=model, max_tokens=3, messages=[
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "hi"},
@@ -120,7 +120,7 @@ def test_developer_and_late_system_messages_render_on_any_template(fleet, model)
         {"role": "user", "content": "again"}])
     assert r.choices[0].message.content is not None  # was a 400 from the template
     # the Anthropic side of the same template
-    m = anthropic.Anthropic(base_url=fleet.url, api_key="x", max_retries=0).messages.create(
+    m = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
         model=model, max_tokens=3, system="Be brief.",
         messages=[{"role": "user", "content": "hi"},
                   {"role": "system", "content": "The date is today."},  # type: ignore
@@ -128,31 +128,31 @@ def test_developer_and_late_system_messages_render_on_any_template(fleet, model)
     assert m.content
 
 
-def test_every_refusal_is_in_the_gateways_log(fleet):
-    r = httpx.post(fleet.url + "/v1/chat/completions", headers={"X-Request-Id": "probe-404"},
+def test_every_refusal_is_in_the_gateways_log(served):
+    r = httpx.post(served.url + "/v1/chat/completions", headers={"X-Request-Id": "probe-404"},
                    json={"model": "no-such-model", "messages": [{"role": "user",
                                                                  "content": "hi"}]})
     assert r.status_code == 404
-    r = httpx.get(fleet.url + "/v1/models/nope", headers={"X-Request-Id": "probe-get"})
+    r = httpx.get(served.url + "/v1/models/nope", headers={"X-Request-Id": "probe-get"})
     assert r.status_code == 404
-    log = fleet.logs()
+    log = served.logs()
     line = next(ln for ln in log.splitlines() if "probe-404" in ln)
     assert "/v1/chat/completions" in line and "no-such-model" in line and "404" in line
     assert "does not exist" in line
     assert any("probe-get" in ln and "/v1/models/nope" in ln for ln in log.splitlines())
 
 
-def test_a_manifest_sets_the_context_length(fleet):
+def test_a_manifest_sets_the_context_length(served):
     """limits.contextLength (vLLM's --max-model-len, Ollama's num_ctx) instead of the
     checkpoint's 2048: prompts and budgets are held to it, and clients are told."""
-    fleet.wait_ready("short")
-    show = httpx.post(fleet.url + "/api/show", json={"model": "short"}).json()
+    served.wait_ready("short")
+    show = httpx.post(served.url + "/api/show", json={"model": "short"}).json()
     assert show["model_info"]["qwen3.context_length"] == 256
-    r = httpx.post(fleet.url + "/v1/chat/completions", json={
+    r = httpx.post(served.url + "/v1/chat/completions", json={
         "model": "short", "messages": [{"role": "user", "content": "word " * 400}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "256" in r.json()["error"]["message"]
-    r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60, json={
+    r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
         "model": "short", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 1000, "ignore_eos": True})
     usage = r.json()["usage"]

@@ -36,13 +36,13 @@ ALARM = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def fleet(demo_fleet):
-    return demo_fleet
+def served(demo_served):
+    return demo_served
 
 
 @pytest.fixture(scope="module")
-def claude(fleet):
-    return anthropic.Anthropic(base_url=fleet.url, api_key="unused", max_retries=0)
+def claude(served):
+    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
 
 
 # ---- Anthropic Messages -------------------------------------------------------------
@@ -56,7 +56,7 @@ def test_anthropic_create_and_usage(claude):
     assert m.usage.input_tokens > 0 and m.usage.output_tokens > 0
 
 
-def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, fleet):
+def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, served):
     """The same conversation twice through each protocol: the second is a cache hit, and
     each protocol says so in its own terms, in agreement with the worker's log line
     (``N prompt (C cached)``): Anthropic's input_tokens leave out the cached tokens, from
@@ -76,7 +76,7 @@ def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, fleet):
         import time
 
         for _ in range(100):
-            log = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
+            log = httpx.get(served.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
                             timeout=10).text
             lines = re.findall(r"(\d+) prompt \((\d+) cached\)", log)
             if len(lines) > seen[0]:
@@ -85,7 +85,7 @@ def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, fleet):
             time.sleep(0.05)
         raise AssertionError("the worker logged no line for the request")
 
-    logged_before = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
+    logged_before = httpx.get(served.url + "/mlxfleet/v1/models/demo/logs?tail=100000",
                               timeout=10).text
     seen[0] = len(re.findall(r"(\d+) prompt \((\d+) cached\)", logged_before))
 
@@ -104,15 +104,15 @@ def test_every_protocol_reports_the_cache_hits_the_worker_logged(claude, fleet):
     n, c = logged()
     assert (m.usage.input_tokens, m.usage.cache_read_input_tokens) == (n - c, c)  # (was n)
     chat = [{"role": "system", "content": system}, *ask]
-    r = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x").chat.completions.create(
+    r = openai.OpenAI(base_url=served.url + "/v1", api_key="x").chat.completions.create(
         model="demo", max_tokens=5, messages=chat)
     n, c = logged()
     assert (r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens) == (n, c)
-    resp = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x").responses.create(
+    resp = openai.OpenAI(base_url=served.url + "/v1", api_key="x").responses.create(
         model="demo", max_output_tokens=5, instructions=system, input=ask[0]["content"])
     n, c = logged()
     assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens) == (n, c)
-    o = ollama.Client(host=fleet.url).chat(model="demo", messages=chat,
+    o = ollama.Client(host=served.url).chat(model="demo", messages=chat,
                                            options={"num_predict": 5})
     n, c = logged()
     assert c > 0 and o.prompt_eval_count == n - c
@@ -139,9 +139,9 @@ def test_anthropic_stream_text(claude):
     assert "blue" in text and final.stop_reason == "end_turn"
 
 
-def test_anthropic_event_order(fleet):
+def test_anthropic_event_order(served):
     events = []
-    with httpx.stream("POST", fleet.url + "/v1/messages", timeout=60, json={
+    with httpx.stream("POST", served.url + "/v1/messages", timeout=60, json={
             "model": "demo", "max_tokens": 30, "stream": True,
             "messages": [{"role": "user", "content": "Hello!"}]}) as r:
         for line in r.iter_lines():
@@ -211,19 +211,19 @@ def test_anthropic_system_blocks_are_separate_paragraphs(claude):
     {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
     {"model": "demo", "messages": [{"role": "user", "content": [{"type": "image"}]}]},
 ])
-def test_count_tokens_errors_are_400_in_anthropics_shape(fleet, body):
-    r = httpx.post(fleet.url + "/v1/messages/count_tokens", json=body, timeout=30)
+def test_count_tokens_errors_are_400_in_anthropics_shape(served, body):
+    r = httpx.post(served.url + "/v1/messages/count_tokens", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
 
 
-def test_anthropic_errors_use_anthropics_shape(fleet, claude):
+def test_anthropic_errors_use_anthropics_shape(served, claude):
     with pytest.raises(anthropic.NotFoundError) as e:
         claude.messages.create(model="nope", max_tokens=5,
                                messages=[{"role": "user", "content": "x"}])
     assert "does not exist" in str(e.value)
-    r = httpx.post(fleet.url + "/v1/messages", json={
+    r = httpx.post(served.url + "/v1/messages", json={
         "model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "AAAA"}}]}]})
@@ -232,7 +232,7 @@ def test_anthropic_errors_use_anthropics_shape(fleet, claude):
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "image" in body["error"]["message"]
     # Odd but valid-JSON shapes are handled, never a 500.
-    r = httpx.post(fleet.url + "/v1/messages", json={
+    r = httpx.post(served.url + "/v1/messages", json={
         "model": "demo", "max_tokens": 5, "messages": [
             {"role": "user", "content": "x"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
@@ -241,7 +241,7 @@ def test_anthropic_errors_use_anthropics_shape(fleet, claude):
                                           "content": [1, "two", {"type": "text",
                                                                  "text": "ok"}]}]}]})
     assert r.status_code == 200, r.text
-    r = httpx.post(fleet.url + "/v1/messages", json={
+    r = httpx.post(served.url + "/v1/messages", json={
         "model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "bogus"}]}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
@@ -249,8 +249,8 @@ def test_anthropic_errors_use_anthropics_shape(fleet, claude):
 
 # ---- OpenAI tool calling with grammars ---------------------------------------------------
 
-def test_required_tool_choice_gives_a_valid_call_even_from_random_weights(fleet):
-    client = fleet.openai()
+def test_required_tool_choice_gives_a_valid_call_even_from_random_weights(served):
+    client = served.openai()
     for choice, name in (("required", None), ({"type": "function",
                                                "function": {"name": "set_alarm"}},
                                               "set_alarm")):
@@ -269,7 +269,7 @@ def test_required_tool_choice_gives_a_valid_call_even_from_random_weights(fleet)
         assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_json_schema_response_format_parses_and_validates(fleet):
+def test_json_schema_response_format_parses_and_validates(served):
     schema = {"type": "object", "properties": {
         "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
         "colour": {"enum": ["red", "green", "blue"]}},
@@ -282,10 +282,10 @@ def test_json_schema_response_format_parses_and_validates(fleet):
                                                    "strict": True}})
         if stream:
             text = "".join(c.choices[0].delta.content or "" for c in
-                           fleet.openai().chat.completions.create(stream=True, **kw)
+                           served.openai().chat.completions.create(stream=True, **kw)
                            if c.choices)
         else:
-            text = fleet.openai().chat.completions.create(**kw).choices[0].message.content
+            text = served.openai().chat.completions.create(**kw).choices[0].message.content
         obj = json.loads(text)
         assert set(obj) == {"ok", "n", "colour"} and isinstance(obj["ok"], bool)
         assert 0 <= obj["n"] <= 99 and obj["colour"] in ("red", "green", "blue")
@@ -307,7 +307,7 @@ UNBOUNDED = {
 
 
 @pytest.mark.parametrize("name", sorted(UNBOUNDED))
-def test_structured_output_always_parses_even_when_the_budget_runs_out(fleet, name):
+def test_structured_output_always_parses_even_when_the_budget_runs_out(served, name):
     import jsonschema
 
     schema = UNBOUNDED[name]
@@ -318,18 +318,18 @@ def test_structured_output_always_parses_even_when_the_budget_runs_out(fleet, na
                       max_tokens=max_tokens, temperature=1.0, seed=seed,
                       response_format={"type": "json_schema",
                                        "json_schema": {"name": "x", "schema": schema}})
-            r = fleet.openai().chat.completions.create(**kw)
+            r = served.openai().chat.completions.create(**kw)
             c = r.choices[0]
             jsonschema.validate(json.loads(c.message.content), schema)
             assert r.usage.completion_tokens <= max_tokens
             forced += c.finish_reason == "length"
     assert forced  # the random model never closes on its own: the budget did it
-    chunks = list(fleet.openai().chat.completions.create(stream=True, **kw))
+    chunks = list(served.openai().chat.completions.create(stream=True, **kw))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     jsonschema.validate(json.loads(text), schema)
 
 
-def test_a_value_with_a_pattern_to_meet_still_closes_within_the_budget(fleet):
+def test_a_value_with_a_pattern_to_meet_still_closes_within_the_budget(served):
     """Choosing the key ``b`` costs more than its bytes: its value must contain "11".
     The closer must spell that pattern and count it before letting the model choose."""
     import jsonschema
@@ -337,30 +337,30 @@ def test_a_value_with_a_pattern_to_meet_still_closes_within_the_budget(fleet):
     schema = {"type": "object", "properties": {"b": {"type": "string", "pattern": "11"}},
               "required": ["a"]}
     for max_tokens in range(8, 22):
-        r = fleet.openai().chat.completions.create(
+        r = served.openai().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0,
             max_tokens=max_tokens, response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
-    top = fleet.openai().chat.completions.create(
+    top = served.openai().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
         response_format={"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "string", "pattern": "11"}}})
     assert "11" in json.loads(top.choices[0].message.content)  # not refused as impossible
 
 
-def test_json_object_with_the_demo_model(fleet):
-    r = fleet.openai().chat.completions.create(
+def test_json_object_with_the_demo_model(served):
+    r = served.openai().chat.completions.create(
         model="demo", response_format={"type": "json_object"}, max_tokens=60, temperature=0,
         messages=[{"role": "user", "content": "Give me a JSON object with name Bob and age 41."}])
     assert json.loads(r.choices[0].message.content) == {"name": "Bob", "age": 41}
-    status = httpx.get(fleet.url + "/mlxfleet/v1/models/demo").json()
+    status = httpx.get(served.url + "/mlxfleet/v1/models/demo").json()
     assert status["ready"]
 
 
-def test_bad_schema_is_a_400_naming_the_problem(fleet):
+def test_bad_schema_is_a_400_naming_the_problem(served):
     with pytest.raises(openai.BadRequestError) as e:
-        fleet.openai().chat.completions.create(
+        served.openai().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                 "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}})
@@ -369,16 +369,16 @@ def test_bad_schema_is_a_400_naming_the_problem(fleet):
 
 # ---- reasoning -----------------------------------------------------------------------
 
-def test_reasoning_goes_to_its_own_field(fleet, tiny_think_id):
+def test_reasoning_goes_to_its_own_field(served, tiny_think_id):
     # Force the random model to open a <think> block; it never closes it, so
     # everything it writes is reasoning and the answer is empty.
     kw = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=12,
               temperature=0, logit_bias={str(tiny_think_id): 100})
-    r = fleet.openai().chat.completions.create(**kw)
+    r = served.openai().chat.completions.create(**kw)
     msg = r.choices[0].message
     assert msg.model_extra["reasoning"] and msg.model_extra["reasoning_content"]
     assert "<think>" not in (msg.content or "") and not msg.content
-    chunks = list(fleet.openai().chat.completions.create(stream=True, **kw))
+    chunks = list(served.openai().chat.completions.create(stream=True, **kw))
     reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning") or ""
                         for c in chunks if c.choices)
     assert reasoning == msg.model_extra["reasoning"]
@@ -442,8 +442,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert first_call_only(pieces, True) == pieces[:1]
 
 
-def test_what_clients_probe_is_answered_quietly(fleet):
+def test_what_clients_probe_is_answered_quietly(served):
     """Claude Code probes HEAD /api/hello at start (a 404 logged a warning each time)."""
-    assert httpx.head(fleet.url + "/api/hello", timeout=10).status_code == 200
-    assert httpx.get(fleet.url + "/api/hello", timeout=10).status_code == 200
-    assert "/api/hello" not in fleet.logs()
+    assert httpx.head(served.url + "/api/hello", timeout=10).status_code == 200
+    assert httpx.get(served.url + "/api/hello", timeout=10).status_code == 200
+    assert "/api/hello" not in served.logs()

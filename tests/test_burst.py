@@ -13,12 +13,12 @@ import asyncio
 
 import httpx
 import pytest
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("burst"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("burst"))
     f.write("tiny.yaml", manifest("tiny", batching={"maxConcurrency": 256, "maxQueue": 1024},
                                   cache={"memoryMB": 512}))
     try:
@@ -29,7 +29,7 @@ def fleet(tmp_path_factory):
         f.stop()
 
 
-def test_512_streams_at_once_are_all_answered(fleet):
+def test_512_streams_at_once_are_all_answered(served):
     body = {"model": "tiny", "max_tokens": 4, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Hello there"}]}
 
@@ -41,12 +41,12 @@ def test_512_streams_at_once_are_all_answered(fleet):
 
     async def burst() -> list[tuple[int, bool]]:
         limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
-        async with httpx.AsyncClient(base_url=fleet.url, limits=limits,
+        async with httpx.AsyncClient(base_url=served.url, limits=limits,
                                      timeout=httpx.Timeout(300, pool=300)) as client:
             return await asyncio.gather(*(one(client) for _ in range(512)))
 
     results = asyncio.run(burst())
     codes = sorted({c for c, _ in results})
-    assert codes == [200], (codes, fleet.logs()[-3000:])
-    assert all(done for _, done in results), fleet.logs()[-3000:]
-    assert "Resource temporarily unavailable" not in fleet.logs()
+    assert codes == [200], (codes, served.logs()[-3000:])
+    assert all(done for _, done in results), served.logs()[-3000:]
+    assert "Resource temporarily unavailable" not in served.logs()

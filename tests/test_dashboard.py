@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 from conftest import CHROMIUM
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 if CHROMIUM is None and not os.environ.get("CI"):
     pytest.skip("no chromium here (scripts/setup.sh test installs it)",
@@ -21,8 +21,8 @@ KEY = "dash-key-123"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("dashboard"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("dashboard"))
     f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
                                   defaults={"temperature": 0}))
     f.write("tiny.yaml", manifest("tiny", preload=False))
@@ -59,17 +59,17 @@ def row(pg, name: str):
     return pg.locator(f"#models-table tr[data-model='{name}']")
 
 
-def test_root_is_the_dashboard_for_browsers_and_ollamas_probe_otherwise(fleet):
-    assert httpx.get(fleet.url + "/").text == "Ollama is running"
-    r = httpx.get(fleet.url + "/", headers={"Accept": "text/html"})
+def test_root_is_the_dashboard_for_browsers_and_ollamas_probe_otherwise(served):
+    assert httpx.get(served.url + "/").text == "Ollama is running"
+    r = httpx.get(served.url + "/", headers={"Accept": "text/html"})
     assert r.status_code == 200 and "<title>mlxfleet</title>" in r.text
-    assert httpx.get(fleet.url + "/ui/app.js").headers["content-type"].startswith(
+    assert httpx.get(served.url + "/ui/app.js").headers["content-type"].startswith(
         "text/javascript")
-    assert httpx.get(fleet.url + "/ui/../manifest.py").status_code == 404
+    assert httpx.get(served.url + "/ui/../manifest.py").status_code == 404
 
 
-def test_models_page_lists_models_and_unload_load_change_the_phase(fleet, page):
-    page.goto(fleet.url + "/")
+def test_models_page_lists_models_and_unload_load_change_the_phase(served, page):
+    page.goto(served.url + "/")
     demo, tiny = row(page, "demo"), row(page, "tiny")
     demo.locator(".phase", has_text="Ready").wait_for()
     assert "default" in demo.inner_text() and "builtin:demo" in demo.inner_text()
@@ -77,31 +77,31 @@ def test_models_page_lists_models_and_unload_load_change_the_phase(fleet, page):
     not_blank(page, "models")
     tiny.get_by_role("button", name="Load", exact=True).click()
     tiny.locator(".phase", has_text="Ready").wait_for(timeout=60000)
-    assert fleet.status("tiny")["ready"]
+    assert served.status("tiny")["ready"]
     tiny.get_by_role("button", name="Unload", exact=True).click()
     tiny.locator(".phase", has_text="Unloaded").wait_for(timeout=60000)
-    assert not fleet.status("tiny")["loaded"]
+    assert not served.status("tiny")["loaded"]
 
 
-def test_model_detail_shows_conditions_events_and_the_log(fleet, page):
-    page.goto(fleet.url + "/#model/demo")
+def test_model_detail_shows_conditions_events_and_the_log(served, page):
+    page.goto(served.url + "/#model/demo")
     page.locator("#detail-conditions", has_text="WorkerReady").wait_for()
     page.locator("#detail-events", has_text="Ready").wait_for()
     page.locator("#detail-log", has_text="starting worker demo").wait_for()
-    fleet.chat("demo")  # a request while the page follows the log: its line appears
+    served.chat("demo")  # a request while the page follows the log: its line appears
     page.locator("#detail-log", has_text="completion tokens").wait_for()
     not_blank(page, "detail")
 
 
-def test_apply_a_manifest_and_see_a_broken_ones_error(fleet, page):
-    page.goto(fleet.url + "/")
+def test_apply_a_manifest_and_see_a_broken_ones_error(served, page):
+    page.goto(served.url + "/")
     row(page, "demo").wait_for()
     page.click("#apply-open")
     page.fill("#apply-text", manifest("applied", source="builtin:tiny", preload=False))
     page.click("#apply-submit")
     page.locator("#apply-result", has_text="applied").wait_for()
     row(page, "applied").wait_for(timeout=30000)
-    assert any("name: applied" in p.read_text() for p in fleet.dir.glob("*.yaml"))
+    assert any("name: applied" in p.read_text() for p in served.dir.glob("*.yaml"))
     page.fill("#apply-text", "apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: bad}\n"
                              "spec: {sourc: builtin:tiny}\n")
     page.click("#apply-submit")
@@ -114,8 +114,8 @@ def test_apply_a_manifest_and_see_a_broken_ones_error(fleet, page):
     row(page, "applied").wait_for(state="detached", timeout=30000)
 
 
-def test_chat_streams_an_answer_with_tokens_and_speed(fleet, page):
-    page.goto(fleet.url + "/#chat")
+def test_chat_streams_an_answer_with_tokens_and_speed(served, page):
+    page.goto(served.url + "/#chat")
     page.locator("#chat-model option[value='demo']").wait_for(state="attached")
     page.select_option("#chat-model", "demo")
     page.fill("#chat-temp", "0")
@@ -129,19 +129,19 @@ def test_chat_streams_an_answer_with_tokens_and_speed(fleet, page):
     not_blank(page, "chat")
 
 
-def test_requests_and_metrics_pages_render(fleet, page):
-    page.goto(fleet.url + "/#requests")
+def test_requests_and_metrics_pages_render(served, page):
+    page.goto(served.url + "/#requests")
     page.locator("#requests-empty").wait_for()
-    page.goto(fleet.url + "/#metrics")
+    page.goto(served.url + "/#metrics")
     page.wait_for_timeout(2500)  # a few samples
     not_blank(page, "metrics")
 
 
-def test_phone_width_and_dark_mode(fleet, browser, tmp_path):
+def test_phone_width_and_dark_mode(served, browser, tmp_path):
     ctx = browser.new_context(viewport={"width": 390, "height": 844}, color_scheme="dark")
     pg = ctx.new_page()
     pg.shots = tmp_path
-    pg.goto(fleet.url + "/")
+    pg.goto(served.url + "/")
     row(pg, "demo").wait_for()
     bg = pg.evaluate("getComputedStyle(document.documentElement).backgroundColor")
     assert bg in ("rgb(22, 22, 24)",), bg  # the dark palette
@@ -152,7 +152,7 @@ def test_phone_width_and_dark_mode(fleet, browser, tmp_path):
 
 
 def test_api_key_is_asked_and_no_data_shown_before(tmp_path_factory, browser, tmp_path):
-    f = Fleet(tmp_path_factory.mktemp("dashkey"), env={"MLXFLEET_API_KEY": KEY})
+    f = Served(tmp_path_factory.mktemp("dashkey"), env={"MLXFLEET_API_KEY": KEY})
     f.write("tiny.yaml", manifest("tiny", preload=False))
     f.start()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 from mlxfleet.builtin import demo_dir
 
@@ -16,8 +16,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("demo"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("demo"))
     f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"]))
     f.start()
     f.wait_ready("demo")
@@ -25,8 +25,8 @@ def fleet(tmp_path_factory):
     f.stop()
 
 
-def ask(fleet, question: str, **kw):
-    return fleet.openai().chat.completions.create(
+def ask(served, question: str, **kw):
+    return served.openai().chat.completions.create(
         model="default", messages=[{"role": "user", "content": question}], temperature=0,
         max_tokens=60, **kw)
 
@@ -44,19 +44,19 @@ def test_demo_is_small_and_documented():
     ("What colour is the sky?", "blue"),
     ("Repeat the word fleet three times.", "fleet fleet fleet"),
 ])
-def test_demo_answers_templated_questions(fleet, question, answer):
-    r = ask(fleet, question)
+def test_demo_answers_templated_questions(served, question, answer):
+    r = ask(served, question)
     assert answer in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"  # it ends its turn by itself
 
 
-def test_demo_writes_json(fleet):
-    r = ask(fleet, "Give me a JSON object with name Alice and age 30.")
+def test_demo_writes_json(served):
+    r = ask(served, "Give me a JSON object with name Alice and age 30.")
     assert json.loads(r.choices[0].message.content) == {"name": "Alice", "age": 30}
 
 
-def test_demo_calls_a_declared_tool_and_uses_the_result(fleet):
-    r = ask(fleet, "What's the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="auto")
+def test_demo_calls_a_declared_tool_and_uses_the_result(served):
+    r = ask(served, "What's the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="auto")
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls"
     assert not msg.content  # no markup leaks into the content
@@ -65,7 +65,7 @@ def test_demo_calls_a_declared_tool_and_uses_the_result(fleet):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     # The round trip: the tool's result goes back, the model answers from it.
-    r2 = fleet.openai().chat.completions.create(
+    r2 = served.openai().chat.completions.create(
         model="default", temperature=0, max_tokens=60, tools=[WEATHER_TOOL],
         messages=[{"role": "user", "content": "What's the weather in Paris?"},
                   msg.model_dump(exclude_none=True),
@@ -76,8 +76,8 @@ def test_demo_calls_a_declared_tool_and_uses_the_result(fleet):
     assert "rainy" in answer and "18" in answer, answer
 
 
-def test_demo_streams_a_tool_call_in_openai_delta_format(fleet):
-    chunks = list(fleet.openai().chat.completions.create(
+def test_demo_streams_a_tool_call_in_openai_delta_format(served):
+    chunks = list(served.openai().chat.completions.create(
         model="default", temperature=0, max_tokens=60, tools=[WEATHER_TOOL], stream=True,
         messages=[{"role": "user", "content": "What's the weather in Paris?"}]))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -90,8 +90,8 @@ def test_demo_streams_a_tool_call_in_openai_delta_format(fleet):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_ignore_eos_generates_exactly_max_tokens(fleet):
-    short = ask(fleet, "What is the capital of Japan?")
+def test_ignore_eos_generates_exactly_max_tokens(served):
+    short = ask(served, "What is the capital of Japan?")
     assert short.usage.completion_tokens < 60
-    long = ask(fleet, "What is the capital of Japan?", extra_body={"ignore_eos": True})
+    long = ask(served, "What is the capital of Japan?", extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 60 and long.choices[0].finish_reason == "length"

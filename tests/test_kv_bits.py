@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 import openai
 import pytest
-from fleet import in_parallel
+from served import in_parallel
 
 from mlxfleet.manifest import parse_text
 

@@ -10,7 +10,7 @@ import sys
 
 import httpx
 import pytest
-from fleet import Fleet, manifest, wait_for
+from served import Served, manifest, wait_for
 
 CALC = '''
 from mcp.server.mcpserver import MCPServer
@@ -56,7 +56,7 @@ app.run()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("mcp")
     servers = {}
     for name, code in (("calc", CALC), ("crasher", CRASHER), ("hanger", HANGER)):
@@ -66,7 +66,7 @@ def fleet(tmp_path_factory):
     servers["sneaky"] = {"command": sys.executable, "args": ["-c", "pass"],
                          "env": {"LD_PRELOAD": "/tmp/x.so"}}
     (root / "mcp.json").write_text(json.dumps({"mcpServers": servers}))
-    f = Fleet(root, env={"MLXFLEET_MCP_CONFIG": str(root / "mcp.json"),
+    f = Served(root, env={"MLXFLEET_MCP_CONFIG": str(root / "mcp.json"),
                          "MLXFLEET_MCP_CALL_TIMEOUT": "3", "MLXFLEET_MCP_MAX_RESULT_KB": "1"})
     f.write("tiny.yaml", manifest("tiny", preload=False))
     f.start()
@@ -76,24 +76,24 @@ def fleet(tmp_path_factory):
     f.stop()
 
 
-def status(f: Fleet) -> dict:
+def status(f: Served) -> dict:
     return {s["name"]: s for s in httpx.get(f.url + "/v1/mcp/status").json()["servers"]}
 
 
-def state(f: Fleet, name: str) -> str:
+def state(f: Served, name: str) -> str:
     return status(f)[name]["state"]
 
 
-def execute(f: Fleet, **body) -> httpx.Response:
+def execute(f: Served, **body) -> httpx.Response:
     return httpx.post(f.url + "/v1/mcp/execute", json=body, timeout=30)
 
 
-def test_status_and_tools_in_openai_format(fleet):
-    s = status(fleet)
+def test_status_and_tools_in_openai_format(served):
+    s = status(served)
     assert s["calc"]["tools"] == 2 and s["calc"]["transport"] == "stdio"
     assert s["bad"]["state"] == "invalid" and "/no/such/binary" in s["bad"]["last_error"]
     assert s["sneaky"]["state"] == "invalid" and "LD_PRELOAD" in s["sneaky"]["last_error"]
-    tools = httpx.get(fleet.url + "/v1/mcp/tools").json()["data"]
+    tools = httpx.get(served.url + "/v1/mcp/tools").json()["data"]
     names = {t["function"]["name"] for t in tools}
     # add exists on two servers: only there is the name made unique
     assert {"calc__add", "crasher__add", "echo", "wait"} <= names
@@ -101,52 +101,52 @@ def test_status_and_tools_in_openai_format(fleet):
     assert echo["type"] == "function" and echo["function"]["parameters"]["required"] == ["text"]
 
 
-def test_vllm_mlx_shapes(fleet):
+def test_vllm_mlx_shapes(served):
     """vllm-mlx's documented forms: tools with a count, servers, execute by tool_name."""
-    body = httpx.get(fleet.url + "/v1/mcp/tools").json()
+    body = httpx.get(served.url + "/v1/mcp/tools").json()
     assert body["count"] == len(body["tools"]) == len(body["data"])
     (echo,) = [t for t in body["tools"] if t["name"] == "echo"]
     assert echo["server"] == "calc" and echo["parameters"]["required"] == ["text"]
-    servers = {s["name"]: s for s in httpx.get(fleet.url + "/v1/mcp/servers").json()["servers"]}
+    servers = {s["name"]: s for s in httpx.get(served.url + "/v1/mcp/servers").json()["servers"]}
     assert servers["calc"]["tools_count"] == 2 and servers["calc"]["transport"] == "stdio"
-    r = execute(fleet, tool_name="calc__add", arguments={"a": 2, "b": 3})
+    r = execute(served, tool_name="calc__add", arguments={"a": 2, "b": 3})
     assert r.json()["tool_name"] == "calc__add" and r.json()["text"] == "5"
     assert r.json()["is_error"] is False and r.json()["error_message"] is None
-    r = execute(fleet, tool_name="echo", arguments={"text": "hi"})  # one server has it
+    r = execute(served, tool_name="echo", arguments={"text": "hi"})  # one server has it
     assert r.json()["text"] == "hi"
-    r = execute(fleet, tool_name="add", arguments={"a": 1, "b": 1})  # two servers do
+    r = execute(served, tool_name="add", arguments={"a": 1, "b": 1})  # two servers do
     assert r.status_code == 400 and r.json()["error"]["code"] == "ambiguous_tool"
-    r = execute(fleet, tool_name="nope", arguments={})
+    r = execute(served, tool_name="nope", arguments={})
     assert r.status_code == 404
 
 
-def test_execute_and_its_errors(fleet):
-    r = execute(fleet, server="calc", tool="add", arguments={"a": 2, "b": 3})
+def test_execute_and_its_errors(served):
+    r = execute(served, server="calc", tool="add", arguments={"a": 2, "b": 3})
     assert r.status_code == 200 and r.json()["text"] == "5" and not r.json()["is_error"]
-    r = execute(fleet, server="calc", tool="add", arguments={"a": "two"})
+    r = execute(served, server="calc", tool="add", arguments={"a": "two"})
     assert r.status_code == 400 and "arguments" in r.json()["error"]["message"]
-    r = execute(fleet, server="calc", tool="nope", arguments={})
+    r = execute(served, server="calc", tool="nope", arguments={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "mcp_tool_not_found"
-    r = execute(fleet, server="nope", tool="add", arguments={})
+    r = execute(served, server="nope", tool="add", arguments={})
     assert r.status_code == 404 and r.json()["error"]["code"] == "mcp_server_not_found"
-    r = execute(fleet, server="hanger", tool="wait", arguments={})
+    r = execute(served, server="hanger", tool="wait", arguments={})
     assert r.status_code == 504 and r.json()["error"]["code"] == "mcp_timeout", r.text
-    assert execute(fleet, server="calc", tool="echo",
+    assert execute(served, server="calc", tool="echo",
                    arguments={"text": "still here"}).json()["text"] == "still here"
-    big = execute(fleet, server="calc", tool="echo", arguments={"text": "x" * 5000}).json()
+    big = execute(served, server="calc", tool="echo", arguments={"text": "x" * 5000}).json()
     assert big["truncated"] and len(big["text"]) == 1024  # MLXFLEET_MCP_MAX_RESULT_KB=1
 
 
-def test_a_server_that_dies_is_restarted(fleet):
-    before = status(fleet)["crasher"]["restarts"]
-    r = execute(fleet, server="crasher", tool="add", arguments={"a": 1, "b": 1})
+def test_a_server_that_dies_is_restarted(served):
+    before = status(served)["crasher"]["restarts"]
+    r = execute(served, server="crasher", tool="add", arguments={"a": 1, "b": 1})
     assert r.status_code in (502, 503) and r.json()["error"]["message"]
-    assert wait_for(lambda: status(fleet)["crasher"]["restarts"] > before
-                    and state(fleet, "crasher") == "ready", 60)
+    assert wait_for(lambda: status(served)["crasher"]["restarts"] > before
+                    and state(served, "crasher") == "ready", 60)
 
 
-def test_cli_lists_and_calls(fleet):
-    env = {"MLXFLEET_SERVER": fleet.url}
+def test_cli_lists_and_calls(served):
+    env = {"MLXFLEET_SERVER": served.url}
     import os
 
     out = subprocess.run([sys.executable, "-m", "mlxfleet", "mcp", "list"], text=True,
@@ -158,10 +158,10 @@ def test_cli_lists_and_calls(fleet):
     assert out.returncode == 0 and out.stdout.strip() == "42"
 
 
-def test_responses_mcp_tool_runs_the_models_calls_on_the_server(fleet):
+def test_responses_mcp_tool_runs_the_models_calls_on_the_server(served):
     import openai
 
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
     tool = {"type": "mcp", "server_label": "calc", "allowed_tools": ["add"],
             "require_approval": "never"}
     r = client.responses.create(
@@ -214,7 +214,7 @@ def test_a_streamable_http_server(tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     (tmp_path / "mcp.json").write_text(json.dumps({"mcpServers": {
         "remote": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
-    f = Fleet(tmp_path, env={"MLXFLEET_MCP_CONFIG": str(tmp_path / "mcp.json")})
+    f = Served(tmp_path, env={"MLXFLEET_MCP_CONFIG": str(tmp_path / "mcp.json")})
     try:
         f.start()
         assert wait_for(lambda: state(f, "remote") == "ready", 60), status(f)
@@ -227,13 +227,13 @@ def test_a_streamable_http_server(tmp_path):
         server.wait(20)
 
 
-def test_no_orphans_when_the_server_stops(tmp_path, fleet):
+def test_no_orphans_when_the_server_stops(tmp_path, served):
     """Last in the file: it stops the module's server."""
     import psutil
 
-    kids = [p for p in psutil.Process(fleet.proc.pid).children(recursive=True)
+    kids = [p for p in psutil.Process(served.proc.pid).children(recursive=True)
             if "calc.py" in " ".join(p.cmdline())]
     assert kids
-    fleet.stop()
+    served.stop()
     assert wait_for(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                     for p in kids), 20)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from fleet import Fleet, manifest, wait_for
+from served import Served, manifest, wait_for
 
 KEY = "fleet-secret"
 ENV = {"MLXFLEET_FLEET_KEY": KEY, "MLXFLEET_FLEET_GRACE": "6",
@@ -28,20 +28,20 @@ def node_doc(name: str, url: str, memory: str, **labels) -> str:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    ns = Fleet.nodes(tmp_path_factory.mktemp("fleet"), "abc", ENV)
+    ns = Served.nodes(tmp_path_factory.mktemp("fleet"), "abc", ENV)
     # c is the biggest: both unpinned models go there (most free memory)
     ns["a"].write("nodes.yaml", "---\n".join([
         node_doc("a", ns["a"].url, "4GB", tier="small"),
         node_doc("b", ns["b"].url, "4GB", tier="small"),
         node_doc("c", ns["c"].url, "8GB", chip="m2")]))
     ns["a"].write("models.yaml", models_yaml())
-    Fleet.start_all(ns)
+    Served.start_all(ns)
     yield ns
     for n in ns.values():
         n.stop()
 
 
-def where(node: Fleet) -> dict:
+def where(node: Served) -> dict:
     """model -> node, as ``/v1/models`` on ``node`` says."""
     data = httpx.get(node.url + "/v1/models", timeout=10).json()["data"]
     return {m["id"]: m["node"] for m in data if m["id"] == m["root"]}  # not the aliases
@@ -247,7 +247,7 @@ def test_a_node_with_another_key_says_so_and_takes_no_model(nodes, tmp_path):
     them, silently. Now it sees every other node refuse it: it says so (log, get nodes)
     and takes none of the fleet's models; the others see it refuse them."""
     a = nodes["a"]
-    d = Fleet(tmp_path / "d", {**ENV, "MLXFLEET_FLEET_KEY": "a-typo"}, manifests=a.dir,
+    d = Served(tmp_path / "d", {**ENV, "MLXFLEET_FLEET_KEY": "a-typo"}, manifests=a.dir,
               args=("--node", "d"))
     d.write("node-d.yaml", node_doc("d", d.url, "64GB"))
     try:

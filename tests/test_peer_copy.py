@@ -11,8 +11,8 @@ import httpx
 import ollama
 import pytest
 import yaml
-from fleet import Fleet, wait_for
 from hub import Hub, Repo
+from served import Served, wait_for
 
 from mlxfleet.builtin import ensure_builtin
 
@@ -30,7 +30,7 @@ def hub():
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, hub):
     root = tmp_path_factory.mktemp("peers")
-    ns = Fleet.nodes(root, "abc", {"MLXFLEET_FLEET_KEY": KEY})
+    ns = Served.nodes(root, "abc", {"MLXFLEET_FLEET_KEY": KEY})
     for n, f in ns.items():
         f.env.update(hub.env(root / f"hf-{n}"))  # each node its own cache
     ns["c"].env["MLXFLEET_PEER_COPY_RATE_MB"] = "4"  # c copies slowly: caught midway below
@@ -38,7 +38,7 @@ def nodes(tmp_path_factory, hub):
         yaml.safe_dump({"apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": n},
                         "spec": {"url": f.url, "memory": "4GB"}}) for n, f in ns.items()))
     try:  # stopped even when one never came up: no server outlives the module
-        Fleet.start_all(ns)
+        Served.start_all(ns)
         yield ns
     finally:
         for f in ns.values():

@@ -20,13 +20,13 @@ JAPAN = "What is the capital of Japan?"
 
 
 @pytest.fixture(scope="module")
-def fleet(demo_fleet):
-    return demo_fleet
+def served(demo_served):
+    return demo_served
 
 
 @pytest.fixture(scope="module")
-def client(fleet):
-    return openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0)
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_create(client):
@@ -124,13 +124,13 @@ def test_structured_output_forced_tools_and_length(client):
     assert r.usage.output_tokens == 2
 
 
-def test_bad_input_and_unknown_model(client, fleet):
+def test_bad_input_and_unknown_model(client, served):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="demo", input=123)
     assert "input" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
-    r = httpx.post(fleet.url + "/v1/responses", content=b"{nope", timeout=30)
+    r = httpx.post(served.url + "/v1/responses", content=b"{nope", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -159,7 +159,7 @@ eof_line: "*** End of File" LF
 '''}}
 
 
-def test_what_codex_sends_is_accepted(client, fleet):
+def test_what_codex_sends_is_accepted(client, served):
     """Codex's tool list: hosted tools this server cannot run are left out (named in a
     header), a namespace's functions are offered and called back with their namespace,
     and its request fields (include, store, prompt_cache_key, reasoning, text.verbosity,
@@ -212,16 +212,16 @@ def test_a_forced_freeform_tool_follows_its_lark_grammar(client, stream):
     assert again.output
 
 
-def test_a_client_that_leaves_after_the_last_event_got_its_answer_no_499(fleet):
+def test_a_client_that_leaves_after_the_last_event_got_its_answer_no_499(served):
     """Codex closes its connection as soon as it reads response.completed, before the
     stream's own end: the gateway counted 3 of ~17 such answers as 499 (client
     disconnected). A stream whose last event was relayed is complete."""
     import socket
     from urllib.parse import urlsplit
 
-    u = urlsplit(fleet.url)
+    u = urlsplit(served.url)
     body = json.dumps({"model": "demo", "input": JAPAN, "stream": True}).encode()
-    before = fleet.logs().count("(499)")
+    before = served.logs().count("(499)")
     for _ in range(20):
         s = socket.create_connection((u.hostname, u.port), timeout=30)
         s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -236,10 +236,10 @@ def test_a_client_that_leaves_after_the_last_event_got_its_answer_no_499(fleet):
     import time
 
     time.sleep(1)
-    assert fleet.logs().count("(499)") == before, fleet.logs()[-2000:]
+    assert served.logs().count("(499)") == before, served.logs()[-2000:]
 
 
-def test_codexs_bookkeeping_fields_are_taken_not_logged_as_ignored(client, fleet):
+def test_codexs_bookkeeping_fields_are_taken_not_logged_as_ignored(client, served):
     r = client.responses.create(model="demo", input=JAPAN, extra_body={
         "prompt_cache_key": "session-1", "include": ["reasoning.encrypted_content"],
         "client_metadata": {"x": "y"}, "unheard_of": 1})
@@ -247,7 +247,7 @@ def test_codexs_bookkeeping_fields_are_taken_not_logged_as_ignored(client, fleet
     import time
 
     time.sleep(0.5)
-    log = httpx.get(fleet.url + "/mlxfleet/v1/models/demo/logs?tail=20", timeout=10).text
+    log = httpx.get(served.url + "/mlxfleet/v1/models/demo/logs?tail=20", timeout=10).text
     ignored = [ln for ln in log.splitlines() if "ignoring unsupported request fields" in ln]
     assert ignored and "'unheard_of'" in ignored[-1], log
     assert "prompt_cache_key" not in ignored[-1] and "include" not in ignored[-1]

@@ -10,7 +10,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from fleet import Fleet, in_parallel, manifest, wait_for
+from served import Served, in_parallel, manifest, wait_for
 
 from mlxfleet.supervisor.scheduler import Candidate, plan_load
 from mlxfleet.units import parse_memory
@@ -68,21 +68,21 @@ def test_parse_memory(value, expected):
 # ---- end to end ------------------------------------------------------------------
 
 @pytest.fixture
-def fleet(tmp_path):
-    f = Fleet(tmp_path, env={"MLXFLEET_REQUEST_WAIT_TIMEOUT": "20"})
+def served(tmp_path):
+    f = Served(tmp_path, env={"MLXFLEET_REQUEST_WAIT_TIMEOUT": "20"})
     yield f
     f.stop()
 
 
-def _phase(fleet, name):
-    return fleet.status(name)["phase"]
+def _phase(served, name):
+    return served.status(name)["phase"]
 
 
-def _long_stream(fleet, model: str, max_tokens: int, got: dict) -> threading.Thread:
+def _long_stream(served, model: str, max_tokens: int, got: dict) -> threading.Thread:
     """Start a greedy streaming request in a thread; its token count lands in got."""
 
     def run():
-        chunks = list(fleet.openai().chat.completions.create(
+        chunks = list(served.openai().chat.completions.create(
             model=model, messages=MSG, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}))
         got["tokens"] = chunks[-1].usage.completion_tokens
@@ -92,68 +92,68 @@ def _long_stream(fleet, model: str, max_tokens: int, got: dict) -> threading.Thr
     return t
 
 
-def test_keep_alive_unloads_when_idle_but_never_mid_stream(fleet):
+def test_keep_alive_unloads_when_idle_but_never_mid_stream(served):
     # (no speculation: tiny-10m repeats one token, which drafts would finish at once)
-    fleet.write("a.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="1s",
+    served.write("a.yaml", manifest("slow", source="builtin:tiny-10m", keepAlive="1s",
                                    speculative={"mode": "off"}))
-    fleet.start()
-    pid = fleet.wait_ready("slow")["pid"]
+    served.start()
+    pid = served.wait_ready("slow")["pid"]
     got = {}
     t0 = time.monotonic()
-    t = _long_stream(fleet, "slow", 500, got)
+    t = _long_stream(served, "slow", 500, got)
     # Well past the 1s keep-alive, the model is still loaded while it streams.
     while t.is_alive() and time.monotonic() - t0 < 3:
-        assert fleet.status("slow")["pid"] == pid
+        assert served.status("slow")["pid"] == pid
         time.sleep(0.2)
     assert time.monotonic() - t0 >= 2.5, "stream too short to test keep-alive"
     t.join(120)
     assert got["tokens"] == 500
-    st = wait_for(lambda: (s := fleet.status("slow"))["phase"] == "Unloaded" and s, 10)
+    st = wait_for(lambda: (s := served.status("slow"))["phase"] == "Unloaded" and s, 10)
     assert st and st["pid"] is None and not st["loaded"]
     assert wait_for(lambda: not psutil.pid_exists(pid), 10)
     assert any(e["reason"] == "Unloading" and "keepAlive" in e["message"]
                for e in st["events"])
     # A request brings it back.
-    assert fleet.chat("slow").usage.completion_tokens == 4
+    assert served.chat("slow").usage.completion_tokens == 4
 
 
-def test_keep_alive_zero_forever_and_per_request(fleet):
-    fleet.write("a.yaml", manifest("zero", keepAlive=0, preload=False))
-    fleet.write("b.yaml", manifest("always", keepAlive="forever", preload=False))
-    fleet.start()
-    assert _phase(fleet, "zero") == "Unloaded"  # not preloaded: loads on demand
-    assert fleet.chat("zero").usage.completion_tokens == 4
-    assert wait_for(lambda: _phase(fleet, "zero") == "Unloaded", 10)
-    assert fleet.chat("always").usage.completion_tokens == 4
+def test_keep_alive_zero_forever_and_per_request(served):
+    served.write("a.yaml", manifest("zero", keepAlive=0, preload=False))
+    served.write("b.yaml", manifest("always", keepAlive="forever", preload=False))
+    served.start()
+    assert _phase(served, "zero") == "Unloaded"  # not preloaded: loads on demand
+    assert served.chat("zero").usage.completion_tokens == 4
+    assert wait_for(lambda: _phase(served, "zero") == "Unloaded", 10)
+    assert served.chat("always").usage.completion_tokens == 4
     time.sleep(2)
-    assert fleet.status("always")["ready"] and fleet.status("always")["expiresAt"] is None
+    assert served.status("always")["ready"] and served.status("always")["expiresAt"] is None
     # A request's keep_alive (Ollama's semantics) sets the model's keep-alive.
-    fleet.chat("zero", extra_body={"keep_alive": "1h"})
+    served.chat("zero", extra_body={"keep_alive": "1h"})
     time.sleep(1.5)
-    st = fleet.status("zero")
+    st = served.status("zero")
     assert st["ready"] and st["keepAlive"] == 3600 and st["expiresAt"]
-    fleet.chat("always", extra_body={"keep_alive": 0})
-    assert wait_for(lambda: _phase(fleet, "always") == "Unloaded", 10)
-    r = httpx.post(fleet.url + "/v1/chat/completions",
+    served.chat("always", extra_body={"keep_alive": 0})
+    assert wait_for(lambda: _phase(served, "always") == "Unloaded", 10)
+    r = httpx.post(served.url + "/v1/chat/completions",
                    json={"model": "zero", "messages": MSG, "keep_alive": "soonish"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
-def test_concurrent_first_requests_share_one_load(fleet):
-    fleet.write("a.yaml", manifest("lazy", preload=False))
-    fleet.start()
-    results = in_parallel(lambda: fleet.chat("lazy").usage.completion_tokens, 10)
+def test_concurrent_first_requests_share_one_load(served):
+    served.write("a.yaml", manifest("lazy", preload=False))
+    served.start()
+    results = in_parallel(lambda: served.chat("lazy").usage.completion_tokens, 10)
     assert results == [4] * 10
-    st = fleet.status("lazy")
+    st = served.status("lazy")
     spawns = [e for e in st["events"] if e["reason"] == "Loading"]
     assert len(spawns) == 1, st["events"]
     assert st["restarts"] == 0
-    log = (fleet.state / "logs" / "lazy.log").read_text()
+    log = (served.state / "logs" / "lazy.log").read_text()
     assert log.count("starting worker lazy") == 1
 
 
 def test_streaming_request_for_an_unloaded_model_waits_and_streams(tmp_path):
-    f = Fleet(tmp_path, env={"MLXFLEET_SSE_KEEPALIVE_INTERVAL": "0.1"})
+    f = Served(tmp_path, env={"MLXFLEET_SSE_KEEPALIVE_INTERVAL": "0.1"})
     f.write("a.yaml", manifest("lazy", preload=False))
     f.start()
     try:
@@ -172,11 +172,11 @@ def test_streaming_request_for_an_unloaded_model_waits_and_streams(tmp_path):
         f.stop()
 
 
-def test_a_failed_load_answers_every_waiter_with_its_error(fleet, tmp_path):
-    fleet.write("a.yaml", manifest("broken", source=str(tmp_path / "nope"), preload=False))
-    fleet.start()
+def test_a_failed_load_answers_every_waiter_with_its_error(served, tmp_path):
+    served.write("a.yaml", manifest("broken", source=str(tmp_path / "nope"), preload=False))
+    served.start()
     def ask():
-        r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60,
+        r = httpx.post(served.url + "/v1/chat/completions", timeout=60,
                        json={"model": "broken", "messages": MSG})
         return r.status_code, r.json()["error"]["message"], r.headers
 
@@ -184,15 +184,15 @@ def test_a_failed_load_answers_every_waiter_with_its_error(fleet, tmp_path):
     assert len(codes) == 3
     for status, message, headers in codes:
         assert status == 503 and "config.json" in message and "Retry-After" in headers
-    assert fleet.status("broken")["phase"] == "Failed"
+    assert served.status("broken")["phase"] == "Failed"
 
 
-def test_full_load_queue_gets_503_with_retry_after(fleet):
-    fleet.write("a.yaml", manifest("lazy", source="builtin:tiny-10m", preload=False,
+def test_full_load_queue_gets_503_with_retry_after(served):
+    served.write("a.yaml", manifest("lazy", source="builtin:tiny-10m", preload=False,
                                    batching={"maxConcurrency": 1, "maxQueue": 1}))
-    fleet.start()
+    served.start()
     out = in_parallel(lambda: httpx.post(
-        fleet.url + "/v1/chat/completions", timeout=60,
+        served.url + "/v1/chat/completions", timeout=60,
         json={"model": "lazy", "messages": MSG, "max_tokens": 2}), 6)
     full = [r for r in out if r.status_code == 503]
     assert full and all(r.json()["error"]["code"] == "queue_full" and
@@ -203,7 +203,7 @@ def test_full_load_queue_gets_503_with_retry_after(fleet):
 def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
     # Each model is budgeted at 300 MB overhead + 200 MB cache (+ tiny weights):
     # 1.2 GB holds two of them, not three.
-    f = Fleet(tmp_path, env={"MLXFLEET_MEMORY_BUDGET": "1200MB",
+    f = Served(tmp_path, env={"MLXFLEET_MEMORY_BUDGET": "1200MB",
                              "MLXFLEET_WORKER_OVERHEAD_MB": "300",
                              "MLXFLEET_BUSY_WAIT_TIMEOUT": "3"})
     spec = dict(preload=False, cache={"memoryMB": 200}, keepAlive="forever")
@@ -258,16 +258,16 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
         f.stop()
 
 
-def test_explicit_load_and_unload(fleet):
-    fleet.write("a.yaml", manifest("lazy", preload=False))
-    fleet.start()
-    r = fleet.cli("load", "lazy")
+def test_explicit_load_and_unload(served):
+    served.write("a.yaml", manifest("lazy", preload=False))
+    served.start()
+    r = served.cli("load", "lazy")
     assert r.returncode == 0 and "loaded" in r.stdout, r.stderr
-    assert fleet.status("lazy")["ready"]
-    r = fleet.cli("unload", "lazy")
+    assert served.status("lazy")["ready"]
+    r = served.cli("unload", "lazy")
     assert r.returncode == 0 and "unloaded" in r.stdout
-    assert fleet.status("lazy")["phase"] == "Unloaded"
-    r = fleet.cli("load", "nope")
+    assert served.status("lazy")["phase"] == "Unloaded"
+    r = served.cli("load", "nope")
     assert r.returncode != 0 and "No model named" in r.stderr
 
 

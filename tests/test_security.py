@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from conftest import free_port
-from fleet import Fleet, manifest, wait_for
+from served import Served, manifest, wait_for
 
 from mlxfleet.api.guard import is_loopback
 
@@ -23,7 +23,7 @@ CHAT = {"model": "tiny", "messages": MSG, "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("sec"), env={"MLXFLEET_API_KEY": "k1, k2",
+    f = Served(tmp_path_factory.mktemp("sec"), env={"MLXFLEET_API_KEY": "k1, k2",
                                                    "MLXFLEET_ENABLE_METRICS": "1",
                                                    "MLXFLEET_MAX_BODY_MB": "1",
                                                    "MLXFLEET_BODY_TIMEOUT": "2",
@@ -189,10 +189,10 @@ def test_status_shows_a_running_request_in_its_phase(secured):
         "logs", "slow", "--tail", "200").stdout, 20, 0.5)
 
 
-def scrape(fleet: Fleet) -> dict:
+def scrape(served: Served) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(fleet.url + "/metrics").text  # opt-in, unauthenticated
+    text = httpx.get(served.url + "/metrics").text  # opt-in, unauthenticated
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -282,7 +282,7 @@ def test_status_has_vllm_mlx_documented_shape(secured):
     assert r.status_code == 200
     hold = threading.Thread(target=lambda: httpx.post(
         secured.url + "/v1/chat/completions", headers=auth(), timeout=60,
-        json={**CHAT, "model": "slow", "max_tokens": 200, "ignore_eos": True}))
+        json={**CHAT, "model": "long", "max_tokens": 200, "ignore_eos": True}))  # (no 2 s limit)
     hold.start()
     s = wait_for(lambda: (x := httpx.get(secured.url + "/v1/status", headers=auth())
                           .json())["requests"] and x, 20)  # the one seen with a request
@@ -298,7 +298,7 @@ def test_status_has_vllm_mlx_documented_shape(secured):
     assert s["metal"]["active_memory_gb"] > 0
     assert set(s["cache"]) == {"type", "entries", "hit_rate", "memory_mb"}
     assert 0 <= s["cache"]["hit_rate"] <= 1
-    (req,) = [q for q in s["requests"] if q["model"] == "slow"]
+    (req,) = [q for q in s["requests"] if q["model"] == "long"]
     assert set(SEED_REQUEST) <= set(req)
     assert req["phase"] in ("queued", "prefill", "generation") and req["max_tokens"] == 200
     assert req["cache_hit_type"] in (None, "exact", "prefix", "supersequence", "lcp", "miss")
@@ -309,7 +309,7 @@ def test_status_has_vllm_mlx_documented_shape(secured):
 
 
 def test_client_keys_read_and_infer_only_the_admin_key_changes_models(tmp_path):
-    f = Fleet(tmp_path, env={"MLXFLEET_API_KEY": "client", "MLXFLEET_ADMIN_KEY": "admin"})
+    f = Served(tmp_path, env={"MLXFLEET_API_KEY": "client", "MLXFLEET_ADMIN_KEY": "admin"})
     f.write("tiny.yaml", manifest("tiny", preload=False))
     f.start()
     try:
@@ -334,7 +334,7 @@ def test_client_keys_read_and_infer_only_the_admin_key_changes_models(tmp_path):
 
 
 def test_rate_limit_gives_429_with_retry_after(tmp_path):
-    f = Fleet(tmp_path, env={"MLXFLEET_RATE_LIMIT": "3"})
+    f = Served(tmp_path, env={"MLXFLEET_RATE_LIMIT": "3"})
     f.write("tiny.yaml", manifest("tiny"))
     f.start()
     try:

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 from conftest import free_port
-from fleet import manifest, wait_for
+from served import manifest, wait_for
 
 from mlxfleet import service
 

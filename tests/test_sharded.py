@@ -9,7 +9,7 @@ import signal
 import httpx
 import pytest
 from conftest import free_port
-from fleet import Fleet, in_parallel, manifest, wait_for
+from served import Served, in_parallel, manifest, wait_for
 from test_nodes import ENV, KEY, node_doc
 
 PROMPTS = ["Tell me a story about a dragon", "What is 2 + 2?", "List three colors",
@@ -18,26 +18,26 @@ PROMPTS = ["Tell me a story about a dragon", "What is 2 + 2?", "List three color
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    ns = Fleet.nodes(tmp_path_factory.mktemp("sharded"), "ab", ENV)
+    ns = Served.nodes(tmp_path_factory.mktemp("sharded"), "ab", ENV)
     ns["a"].write("nodes.yaml", "---\n".join(
         node_doc(n, ns[n].url, "8GB") for n in "ab"))
     ns["a"].write("models.yaml", "---\n".join([
         manifest("sharded", distributed={"nodes": ["a", "b"], "port": free_port()}),
         manifest("whole", placement={"nodes": ["b"]})]))
-    Fleet.start_all(ns)
+    Served.start_all(ns)
     yield ns
     for n in ns.values():
         n.stop()
 
 
-def answer(node: Fleet, model: str, prompt: str, max_tokens: int = 24) -> str:
+def answer(node: Served, model: str, prompt: str, max_tokens: int = 24) -> str:
     r = node.openai().chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=0)
     return r.choices[0].message.content
 
 
-def follower_pid(node: Fleet) -> int:
+def follower_pid(node: Served) -> int:
     """The pid of the rank worker ``node`` runs for 'sharded' (from its node report)."""
     from mlxfleet.fleet_auth import sign
 

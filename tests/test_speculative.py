@@ -60,7 +60,7 @@ async def both(source: str, run, **kw) -> tuple:
         try:
             results.append(await run(e))
             e._publish(force=True)
-            stats = e.snapshot["speculation"]
+            stats = e.report["speculation"]
         finally:
             await asyncio.to_thread(e.stop)
     return results[0], results[1], stats

@@ -174,9 +174,9 @@ def test_with_the_hub_down_a_peer_is_not_taken_at_its_word(tiny_repo, tmp_path):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    from fleet import Fleet, manifest
+    from served import Served, manifest
 
-    f = Fleet(tmp_path_factory.mktemp("trust"), env={
+    f = Served(tmp_path_factory.mktemp("trust"), env={
         "MLXFLEET_API_KEY": "ka,kb,kc", "MLXFLEET_RATE_LIMIT": "30",
         "MLXFLEET_MAX_BODY_MB": "4", "MLXFLEET_MAX_PENDING_BODY_MB": "8"})
     f.write("tiny.yaml", manifest("tiny", cache={"diskMB": 16}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 from conftest import free_port
-from fleet import wait_for
+from served import wait_for
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",

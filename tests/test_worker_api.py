@@ -8,7 +8,7 @@ import asyncio
 
 import openai
 import pytest
-from fleet import in_parallel
+from served import in_parallel
 
 MSGS = [{"role": "user", "content": "What is the capital of Japan?"}]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from fleet import wait_for
+from served import wait_for
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

@@ -11,7 +11,7 @@ import threading
 import httpx
 import openai
 import pytest
-from fleet import in_parallel, wait_for
+from served import in_parallel, wait_for
 
 MSGS = [{"role": "user", "content": "Tell me a long story."}]
 

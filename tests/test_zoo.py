@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from conftest import free_port
-from fleet import in_parallel
+from served import in_parallel
 
 from mlxfleet.builtin import builtin_cache_dir
 from mlxfleet.zoo import FAMILIES, build
@@ -324,11 +324,11 @@ def test_harmony_reasoning_calls_and_answers_reach_clients_and_the_choice_is_sho
     call, the final channel the answer. (The scripted model writes harmony: random
     weights do not.) The parsers picked are shown in /v1/models, /api/show, describe."""
     import httpx
-    from fleet import Fleet, manifest
+    from served import Served, manifest
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps(HARMONY_SCRIPT))
-    f = Fleet(tmp_path / "node")
+    f = Served(tmp_path / "node")
     f.write("m.yaml", manifest("oss", source="builtin:scripted",
                                parsers={"toolCall": "harmony"},
                                env={"MLXFLEET_SCRIPT": str(script)}))

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from quart import Quart, request
 
@@ -15,10 +15,13 @@ from ..names import loggable
 from ..units import parse_duration
 from ..wire import APIError, streaming_response
 
+if TYPE_CHECKING:
+    from ..supervisor.supervisor import Supervisor
+
 log = logging.getLogger("mlxfleet.store")
 
 
-def _runtime(supervisor: Any, name: str):
+def _runtime(supervisor: Supervisor, name: str):
     rt = supervisor.get(name) or supervisor.resolve(name)
     if rt is None:
         raise APIError(404, f"No model named '{name}'. Known: "
@@ -27,7 +30,7 @@ def _runtime(supervisor: Any, name: str):
     return rt
 
 
-def register_control(app: Quart, supervisor: Any) -> None:
+def register_control(app: Quart, supervisor: Supervisor) -> None:
     from ..supervisor.apply import ApplyError, apply_text, delete_model
 
     base = "/mlxfleet/v1"

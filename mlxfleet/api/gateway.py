@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from quart import Quart
 
@@ -25,10 +25,14 @@ from .ollama import register_ollama
 from .ollama_store import register_ollama_store
 from .responses import ResponseStore, register_responses
 
+if TYPE_CHECKING:
+    from ..supervisor.admission import ServedModel
+    from ..supervisor.supervisor import Supervisor
+
 log = logging.getLogger("mlxfleet.gateway")
 
 
-async def _from_node(supervisor: Any, node: str, method: str, rid: str, owner: str
+async def _from_node(supervisor: Supervisor, node: str, method: str, rid: str, owner: str
                      ) -> Optional[dict]:
     """Ask the node that stored a response for it (GET) or to delete it (DELETE), on
     behalf of ``owner``; None when it has none for them or does not answer."""
@@ -51,7 +55,7 @@ async def _from_node(supervisor: Any, node: str, method: str, rid: str, owner: s
     return r.json()
 
 
-def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
+def create_gateway(supervisor: Supervisor, mcp: Any = None) -> Quart:
     """The public app. ``supervisor`` resolves names and owns the workers."""
     from .control import register_control
     from .dashboard import register_dashboard
@@ -107,7 +111,7 @@ def create_gateway(supervisor: Any, mcp: Any = None) -> Quart:
         ready = [n for n in names if supervisor.models[n].ready]
         return {"status": "ok", "models": len(names), "ready": len(ready)}
 
-    def model_entry(rt: Any, name: str) -> dict:
+    def model_entry(rt: ServedModel, name: str) -> dict:
         return {"id": name, "object": "model", "created": int(rt.created or started),
                 "owned_by": "mlxfleet", "root": rt.name, "state": rt.phase.value,
                 "ready": rt.ready, "aliases": list(rt.manifest.spec.aliases),

@@ -12,12 +12,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Quart, Response, g, request
 
 from ..names import loggable
 from .guard import OPEN_ROUTES
+
+if TYPE_CHECKING:
+    from ..supervisor.supervisor import Supervisor
 
 log = logging.getLogger("mlxfleet.gateway")
 SCOPE_KEY = "mlxfleet.request"  # the request's metrics labels, in the ASGI scope
@@ -26,7 +29,7 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class Metrics:
-    def __init__(self, supervisor: Any):
+    def __init__(self, supervisor: Supervisor):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.started = time.time()
@@ -128,9 +131,7 @@ class Metrics:
 
     async def _worker_status(self, name: str) -> tuple[str, dict | None]:
         rt = self.sup.models.get(name)
-        if rt is None or not rt.ready:
-            return name, None
-        return name, await rt.current.get_json("/v1/status", 2.0)
+        return name, (await rt.worker_status() if rt is not None else None)
 
     async def refresh(self) -> dict[str, dict]:
         results = await asyncio.gather(*(self._worker_status(n) for n in self.sup.names()))

@@ -2,7 +2,7 @@
 lean ASGI app in front of Quart, which keeps every other route.
 
 Every request takes this path, so it is plain ASGI: read ``model`` -> the guard ->
-``supervisor.acquire`` (a lease on a ready worker, loading it on demand) -> forward over
+``model.lease`` (a worker the node's scheduler grants, loading it on demand) -> forward over
 the worker interface -> relay the answer, streamed chunk by chunk as the worker wrote it.
 Quart's request and response objects, context locals and hooks cost about a quarter of
 the gateway's time per request (py-spy, ``benchmarks/hop.py``) and do nothing here.
@@ -18,10 +18,10 @@ import hashlib
 import json
 import logging
 import math
-import re
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Optional
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import httpx
 
@@ -46,17 +46,16 @@ from .metrics import SCOPE_KEY, Metrics
 from .ollama import load_or_unload
 from .responses import ResponseStore, owner_of
 
+if TYPE_CHECKING:
+    from ..supervisor.admission import ServedModel
+    from ..supervisor.supervisor import Supervisor
+
 log = logging.getLogger("mlxfleet.gateway")
 
 #: Routes forwarded to the worker named by the body's ``model``.
-MODEL_ROUTES = frozenset([
-    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-    "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
-    "/v1/responses"])
 #: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
 _STREAMING = ("text/event-stream", "application/x-ndjson")
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
-_SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')  # in the Responses API's events
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 #: What the last event of a complete stream carries, per protocol (OpenAI's [DONE],
 #: Anthropic's message_stop, the Responses API's terminal events, Ollama's done line).
@@ -68,7 +67,7 @@ _FINAL_EVENTS = (b"data: [DONE]", b"event: message_stop", b'"response.completed"
 class ModelRoutes:
     """ASGI: the model routes here, anything else to ``fallback`` (the Quart app)."""
 
-    def __init__(self, supervisor: Any, guard: Guard, metrics: Metrics,
+    def __init__(self, supervisor: Supervisor, guard: Guard, metrics: Metrics,
                  store: ResponseStore, mcp: Any, fallback: Any):
         self.sup, self.guard, self.metrics = supervisor, guard, metrics
         self.store, self.mcp, self.fallback = store, mcp, fallback
@@ -161,7 +160,7 @@ class ModelRoutes:
         except (asyncio.TimeoutError, TimeoutError):
             raise body_too_slow() from None
 
-    def _cache_scope(self, rt: Any, body: dict, headers: dict[str, str],
+    def _cache_scope(self, rt: ServedModel, body: dict, headers: dict[str, str],
                      sender: Optional[Signed]) -> str:
         """Whose cached prompts this request may reuse (``prompt_cache``'s scope): with
         API keys, its key's only (unless the model's ``cache.scope`` is shared), and a
@@ -179,9 +178,11 @@ class ModelRoutes:
             return ""
         return hashlib.sha256(f"{owner}\0{salt or ''}".encode()).hexdigest()[:32]
 
-    async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
-                     sender: Optional[Signed], out: _Reply) -> None:
-        sup, settings, store = self.sup, self.settings, self.store
+    def _call(self, path: str, raw: bytes, headers: dict[str, str],
+              sender: Optional[Signed], out: _Reply) -> _Call:
+        """What every model route does first: the model named, its keep-alive (a
+        client key extends it, never shortens it), the cache scope, the deadline."""
+        settings = self.settings
         body = parse_json_body(raw)
         model = body.get("model")
         out.asked = model if isinstance(model, str) else None
@@ -191,7 +192,7 @@ class ModelRoutes:
         keep_alive = _keep_alive(body["keep_alive"]) if "keep_alive" in body else None
         fwd = {k: headers[k] for k in _FORWARD_HEADERS if k in headers}
         fwd["X-Request-Id"] = out.request_id
-        rt = sup.find(model, forwarded=sender is not None)
+        rt = self.sup.find(model, forwarded=sender is not None)
         scope = self._cache_scope(rt, body, headers, sender)
         if scope:
             fwd[CACHE_SCOPE_HEADER] = scope
@@ -204,39 +205,35 @@ class ModelRoutes:
                                "(MLXFLEET_ADMIN_KEY) unless its manifest sets "
                                "clientKeepAlive: true.", type="permission_error",
                                code="admin_key_required")
-            if keep_alive < floor:  # a client key extends the keep-alive, never shortens it
+            if keep_alive < floor:
                 keep_alive = floor
                 body["keep_alive"] = -1 if math.isinf(floor) else floor
                 raw = json.dumps(body).encode()
         timeout = rt.manifest.spec.limits.timeout or settings.timeout
-        deadline = time.monotonic() + timeout
-        ollama = path.startswith("/api/")
-        if ollama and ollama_empty_request(path, body):
-            return await out.json(await load_or_unload(rt, path, keep_alive, deadline))
-        pending = None
-        if path == "/v1/responses" and sender is None:  # a forwarding node stores it
-            owner = owner_of(headers, bool(self.guard.api_keys), False)
-            body, pending = await store.prepare(body, owner)
-            raw = json.dumps(body).encode()
-            if any(isinstance(t, dict) and t.get("type") == "mcp"
-                   for t in body.get("tools") or []):
-                resp = await respond_with_mcp(self.mcp, body, lambda b: _ask_worker(
-                    rt, deadline, keep_alive, b, fwd))
-                await store.put(resp, pending)
-                return await out.json(resp)
+        return _Call(path, body, raw, headers, fwd, sender, out, rt, keep_alive, timeout,
+                     time.monotonic() + timeout)
 
-        def relayed(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-            return store.capture_stream(chunks, pending) if pending else chunks
+    async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
+                     sender: Optional[Signed], out: _Reply) -> None:
+        call = self._call(path, raw, headers, sender, out)
+        route = ROUTES[path]
+        if route.before is not None and await route.before(self, call):
+            return  # the route answered it itself
+        await self._forward(call, route.sse)
 
-        target = ("POST", path, raw, fwd)
-        if not rt.ready and body.get("stream") is True and not ollama:
+    async def _forward(self, call: _Call, sse: bool) -> None:
+        """Send the request to a worker of its model and relay the answer."""
+        rt, out, path = call.rt, call.out, call.path
+        target = ("POST", path, call.raw, call.fwd)
+        if not rt.ready and call.body.get("stream") is True and sse:
             # Start the SSE stream now and keep it alive with comments while the
             # model loads, so clients and proxies do not time out.
             out.model = rt.name
-            return await out.stream(200, "text/event-stream", relayed(
-                _stream_after_load(rt.acquire(deadline, keep_alive), rt.name, target,
-                                   settings.sse_keepalive_interval, timeout)))
-        lease = await rt.acquire(deadline, keep_alive)
+            return await out.stream(200, "text/event-stream", call.relayed(
+                _stream_after_load(rt.lease(call.deadline, call.keep_alive), rt.name,
+                                   target, self.settings.sse_keepalive_interval,
+                                   call.timeout)))
+        lease = await rt.lease(call.deadline, call.keep_alive)
         out.model = lease.name
         try:
             upstream = await lease.send(*target)
@@ -247,24 +244,100 @@ class ModelRoutes:
         notices = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
                    if k.startswith("x-mlxfleet-")]  # the worker's notices to the client
         if ctype.startswith(_STREAMING):
-            return await out.stream(upstream.status_code, ctype,
-                                    relayed(_relay(lease, upstream, path, timeout)), notices)
+            return await out.stream(upstream.status_code, ctype, call.relayed(
+                _relay(lease, upstream, path, call.timeout)), notices)
         try:
-            async with until(deadline):
+            async with until(call.deadline):
                 content = await upstream.aread()
         except (asyncio.TimeoutError, TimeoutError):
-            raise timeout_error(lease.name, timeout) from None
+            raise timeout_error(lease.name, call.timeout) from None
         except httpx.TransportError as e:
             raise APIError(502, f"The worker for model '{lease.name}' failed mid-request: "
                            f"{e}", type="server_error", code="worker_failed") from None
         finally:
             await upstream.aclose()  # on timeout this aborts the generation in the worker
             lease.release()
-        if pending and upstream.status_code == 200:
-            await store.capture(content, pending)
+        if upstream.status_code == 200:
+            await call.answered(content)
         extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
             if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
         await out.send(upstream.status_code, ctype, content, extra + notices)
+
+    # ---- what some routes do before forwarding (``ROUTES``) ---------------------
+
+    async def _ollama_load_idiom(self, call: _Call) -> bool:
+        """Ollama's empty request loads the model (``keep_alive: 0``: unloads it)."""
+        if not ollama_empty_request(call.path, call.body):
+            return False
+        await call.out.json(await load_or_unload(call.rt, call.path, call.keep_alive,
+                                                 call.deadline))
+        return True
+
+    async def _responses_state(self, call: _Call) -> bool:
+        """The Responses API's state: ``previous_response_id`` and ``store`` (here, not
+        on a node this was forwarded from, which stores it), and ``mcp`` tools (the
+        tool loop runs here, over the worker)."""
+        if call.sender is not None:
+            return False
+        store = self.store
+        owner = owner_of(call.headers, bool(self.guard.api_keys), False)
+        call.body, pending = await store.prepare(call.body, owner)
+        call.raw = json.dumps(call.body).encode()
+        tools = call.body.get("tools")
+        if isinstance(tools, list) and any(isinstance(t, dict) and t.get("type") == "mcp"
+                                           for t in tools):
+            resp = await respond_with_mcp(self.mcp, call.body, lambda b: _ask_worker(
+                call.rt, call.deadline, call.keep_alive, b, call.fwd))
+            await store.put(resp, pending)
+            await call.out.json(resp)
+            return True
+        if pending:
+            call.relayed = lambda chunks: store.capture_stream(chunks, pending)
+            call.answered = lambda content: store.capture(content, pending)
+        return False
+
+
+@dataclass
+class _Call:
+    """One request to a model route, on its way to a worker."""
+
+    path: str
+    body: dict
+    raw: bytes
+    headers: dict[str, str]
+    fwd: dict[str, str]  # the headers the worker gets
+    sender: Optional[Signed]  # the node that forwarded it, if one did
+    out: _Reply
+    rt: ServedModel
+    keep_alive: Optional[float]
+    timeout: float
+    deadline: float
+    #: the answer on its way back: a stream, then a whole (200) body
+    relayed: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]] = lambda chunks: chunks
+    answered: Callable[[bytes], Awaitable[None]] = field(default=lambda content: _nothing())
+
+
+async def _nothing() -> None:
+    return None
+
+
+class _Route(NamedTuple):
+    """How a model route differs from forwarding the body to a worker."""
+
+    before: Optional[Callable[[ModelRoutes, _Call], Awaitable[bool]]] = None  # True: answered
+    sse: bool = True  # its streams are SSE (kept alive by comments while a model loads)
+
+
+_OLLAMA = _Route(ModelRoutes._ollama_load_idiom, sse=False)
+#: Every model route, and what it does besides forwarding.
+ROUTES: dict[str, _Route] = {
+    "/v1/chat/completions": _Route(), "/v1/completions": _Route(),
+    "/v1/messages": _Route(), "/v1/messages/count_tokens": _Route(),
+    "/v1/embeddings": _Route(), "/v1/responses": _Route(ModelRoutes._responses_state),
+    "/api/chat": _OLLAMA, "/api/generate": _OLLAMA, "/api/embed": _OLLAMA,
+    "/api/embeddings": _OLLAMA,
+}
+MODEL_ROUTES = frozenset(ROUTES)
 
 
 def log_refusal(request_id: str, method: str, path: str, model: Optional[str], status: int,
@@ -363,10 +436,10 @@ async def _hang_up(receive: Any, task: asyncio.Task) -> None:
     task.cancel()
 
 
-async def _ask_worker(rt: Any, deadline: float, keep_alive: Any, body: dict, headers: dict
+async def _ask_worker(rt: ServedModel, deadline: float, keep_alive: Any, body: dict, headers: dict
                       ) -> dict:
     """One non-streaming /v1/responses round on the model's worker (the MCP tool loop)."""
-    async with await rt.acquire(deadline, keep_alive) as lease:
+    async with await rt.lease(deadline, keep_alive) as lease:
         upstream = await lease.send("POST", "/v1/responses", json.dumps(body).encode(),
                                     headers)
         try:
@@ -397,8 +470,10 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
     that stalls is)."""
     chunks = upstream.aiter_raw()
     deadline = lease.deadline
-    numbered = path == "/v1/responses"  # its events carry a sequence_number
-    seq = 0  # the next one
+    # The Responses API numbers its events from 0, one per event: an error the relay
+    # adds takes the next number, so count the events (each ends with a blank line).
+    numbered = path == "/v1/responses"
+    seq, tail = 0, b""
     try:
         while True:
             try:
@@ -407,8 +482,8 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
             except StopAsyncIteration:
                 break
             if numbered:
-                seen = _SEQUENCE.findall(chunk)
-                seq = int(seen[-1]) + 1 if seen else seq
+                seq += (tail + chunk[:1]).count(b"\n\n") + chunk.count(b"\n\n")
+                tail = chunk[-1:]
             yield chunk
             deadline = time.monotonic() + gap
     except (asyncio.TimeoutError, TimeoutError):

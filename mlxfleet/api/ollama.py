@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from quart import Quart, request
 
@@ -18,17 +18,21 @@ from ..formats import pick_parsers
 from ..manifest import is_pattern
 from ..wire import APIError, ollama_done, ollama_time, parse_json_body
 
+if TYPE_CHECKING:
+    from ..supervisor.admission import ServedModel
+    from ..supervisor.supervisor import Supervisor
+
 #: What /api/version reports: the Ollama API level these routes follow (clients compare
 #: it to enable features), not mlxfleet's own version.
 OLLAMA_VERSION = "0.12.0"
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever
 
 
-def _digest(rt: Any) -> str:
+def _digest(rt: ServedModel) -> str:
     return hashlib.sha256(rt.manifest.worker_hash().encode()).hexdigest()
 
 
-def _details(rt: Any) -> dict[str, Any]:
+def _details(rt: ServedModel) -> dict[str, Any]:
     cfg = _config(rt)
     family = cfg.get("model_type") or "unknown"
     q = cfg.get("quantization") or cfg.get("quantization_config") or {}
@@ -38,7 +42,7 @@ def _details(rt: Any) -> dict[str, Any]:
             "quantization_level": f"Q{bits}" if bits else "F16"}
 
 
-def _param_size(rt: Any) -> str:
+def _param_size(rt: ServedModel) -> str:
     """Parameters, estimated from the weights' bytes (Ollama shows e.g. "8.0B")."""
     n = (rt.weight_bytes or 0) / 2  # 16-bit weights; quantized models are underestimated
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -47,7 +51,7 @@ def _param_size(rt: Any) -> str:
     return f"{int(n)}"
 
 
-def _config(rt: Any) -> dict[str, Any]:
+def _config(rt: ServedModel) -> dict[str, Any]:
     """The model's config.json if it is on disk (never downloads)."""
     from ..sources import local_dir
 
@@ -58,14 +62,14 @@ def _config(rt: Any) -> dict[str, Any]:
         return {}
 
 
-def _context_length(rt: Any, cfg: dict[str, Any]) -> Optional[int]:
+def _context_length(rt: ServedModel, cfg: dict[str, Any]) -> Optional[int]:
     """The manifest's ``limits.contextLength``, else the checkpoint config's."""
     from ..sources import config_context_length
 
     return rt.manifest.spec.limits.context_length or config_context_length(cfg)
 
 
-def _entry(rt: Any, name: str) -> dict[str, Any]:
+def _entry(rt: ServedModel, name: str) -> dict[str, Any]:
     return {"name": name, "model": name, "modified_at": ollama_time(rt.created),
             "size": rt.weight_bytes or 0, "digest": _digest(rt), "details": _details(rt)}
 
@@ -76,7 +80,7 @@ def _tagged(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def register_ollama(app: Quart, supervisor: Any) -> None:
+def register_ollama(app: Quart, supervisor: Supervisor) -> None:
     @app.get("/api/version")
     async def version():
         return {"version": OLLAMA_VERSION}
@@ -143,7 +147,7 @@ def register_ollama(app: Quart, supervisor: Any) -> None:
                 "modified_at": ollama_time(rt.created)}
 
 
-def _chat_template(rt: Any) -> Optional[str]:
+def _chat_template(rt: ServedModel) -> Optional[str]:
     from ..sources import local_dir
 
     d = local_dir(rt.manifest.spec.source, rt.manifest.spec.revision)
@@ -164,7 +168,7 @@ def _chat_template(rt: Any) -> Optional[str]:
     return None
 
 
-async def load_or_unload(rt: Any, path: str, keep_alive: Optional[float],
+async def load_or_unload(rt: ServedModel, path: str, keep_alive: Optional[float],
                          deadline: float) -> dict:
     """Ollama's empty request (``wire.ollama_empty_request``) loads the model, or with
     ``keep_alive: 0`` unloads it (with API keys only for admin keys, which the gateway

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from quart import Quart, request
 
@@ -21,6 +21,9 @@ from .. import names
 from ..sources import source_kind
 from ..store import PullError
 from ..wire import APIError, parse_json_body, streaming_response
+
+if TYPE_CHECKING:
+    from ..supervisor.supervisor import Supervisor
 
 #: Fields of /api/create this server acts on; any other is refused, never ignored.
 _CREATE_FIELDS = {"model", "name", "from", "quantize", "stream"}
@@ -44,7 +47,7 @@ def _new_model_name(body: dict, key: str = "model") -> str:
         raise APIError(400, f"{key}: {e}", param=key, code="invalid_name") from None
 
 
-def source_of(supervisor: Any, name: str) -> tuple[str, Optional[str]]:
+def source_of(supervisor: Supervisor, name: str) -> tuple[str, Optional[str]]:
     """(source, revision) for a name a client sent: a model's, or the name itself."""
     rt = supervisor.resolve(name)
     if rt is not None:
@@ -64,7 +67,7 @@ def _ndjson(events: Any) -> Any:
     return streaming_response(lines(), content_type="application/x-ndjson")
 
 
-def register_ollama_store(app: Quart, supervisor: Any) -> None:
+def register_ollama_store(app: Quart, supervisor: Supervisor) -> None:
     pulls = supervisor.pulls
 
     @app.post("/api/pull")
@@ -180,7 +183,7 @@ def register_ollama_store(app: Quart, supervisor: Any) -> None:
                        type="server_error", code="not_implemented")
 
 
-async def remove_source(supervisor: Any, source: str, asked: Optional[str] = None) -> int:
+async def remove_source(supervisor: Supervisor, source: str, asked: Optional[str] = None) -> int:
     """Delete a stored source (the bytes freed): 409 while a loaded model uses it, 404
     when it is not on disk."""
     from ..store import remove
@@ -211,7 +214,7 @@ def _manifest(name: str, source: str, revision: Optional[str] = None) -> Any:
                        code="invalid_manifest") from None
 
 
-async def _apply(supervisor: Any, manifest: Any) -> None:
+async def _apply(supervisor: Supervisor, manifest: Any) -> None:
     """Write ``manifest`` into the manifests folder (as ``mlxfleet apply`` does) and
     reconcile now, so the model is there when the answer is."""
     from ..manifest import dump_manifest

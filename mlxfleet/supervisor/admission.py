@@ -1,14 +1,14 @@
-"""Admission: from a model name to a lease on a ready worker, or one typed error.
+"""Admission: from a model to a lease on a worker that serves it, or one typed error.
 
-``Supervisor.acquire(name, deadline)`` is the only way a request reaches a
-worker: it resolves the name or alias and asks the model (a ``ServedModel``:
-``ModelRuntime`` for one this node runs, ``RemoteModel`` for one another node
-runs) for a ``Lease``. The model owns its readiness: ``ensure_ready`` loads it on
-demand and waits, bounded by the queue (``batching.maxQueue``) and the request's
-deadline. A lease counts the request in flight until released; ``Lease.send``
-retries once when the worker died before receiving anything. Every failure is an
-``AdmissionError``: a status, a code, a message and when to retry, which each
-protocol renders in its own shape.
+The gateway resolves a request's model name (``Supervisor.find``) to a ``ServedModel``:
+``ModelRuntime`` for a model this node runs, ``RemoteModel`` for one another node
+runs. ``ServedModel.lease`` is the only way a request reaches a worker. For a local
+model the node's scheduler decides (scheduler.py): it grants the request a worker
+at once, loads the model on demand and grants it then, or refuses it. A lease
+counts the request in flight until released; ``Lease.send`` retries once when the
+worker died before receiving anything. Every failure is an ``AdmissionError``: a
+status, a code, a message and when to retry, which each protocol renders in its
+own shape.
 """
 
 from __future__ import annotations
@@ -17,25 +17,16 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Optional, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 from ..manifest import Manifest
-from ..wire import APIError, error_type_for
 from .handle import WorkerFailed, WorkerHandle, WorkerUnreachable
 from .lifecycle import ModelPhase
+from .scheduler import AdmissionError
 
-
-class AdmissionError(APIError):
-    """Why a request cannot be served now; ``retry_after`` seconds may change that."""
-
-    def __init__(self, status: int, message: str, code: str,
-                 retry_after: Optional[float] = None, param: Optional[str] = None):
-        headers = {"Retry-After": str(max(1, round(retry_after)))} \
-            if retry_after is not None else None
-        super().__init__(status, message, type=error_type_for(status), code=code,
-                         param=param, headers=headers)
-        self.retry_after = retry_after
+__all__ = ["AdmissionError", "Lease", "ServedModel", "time_left", "timeout_error", "until"]
 
 
 def time_left(deadline: float) -> float:
@@ -70,57 +61,83 @@ def timeout_error(name: str, timeout: float = 0) -> AdmissionError:
     return AdmissionError(504, f"The request to model '{name}' timed out{after}.", "timeout")
 
 
-class ServedModel(Protocol):
+class ServedModel(ABC):
     """A model the gateway routes to, wherever it runs: ``ModelRuntime`` (this node runs
-    it) or ``RemoteModel`` (another node does). The gateway and the control API use
-    only this; none of them asks which one it has."""
+    it) or ``RemoteModel`` (another node does). The gateway, the control API and the
+    metrics use only this; none of them asks which one it has."""
 
     manifest: Manifest
     file: str
+    created: float
+    weight_bytes: Optional[int]  # its weights on disk, once known
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        return self.manifest.name
 
     @property
+    @abstractmethod
     def node(self) -> Optional[str]:
         """The node that runs it (None: this server is not in a fleet, or no node can)."""
 
     @property
+    @abstractmethod
     def phase(self) -> ModelPhase: ...
 
     @property
+    @abstractmethod
     def ready(self) -> bool: ...
 
     @property
-    def inflight(self) -> int: ...
+    @abstractmethod
+    def inflight(self) -> int:
+        """Requests it is serving."""
 
     @property
-    def paths(self) -> Optional[dict]:
-        """How its worker runs it (``engine.paths``), once it serves."""
-
-    @property
+    @abstractmethod
     def waiters(self) -> int:
         """Requests waiting for it to load."""
 
+    @property
+    @abstractmethod
+    def keep_alive(self) -> float:
+        """Seconds it stays loaded once idle (inf: forever)."""
+
+    @property
+    @abstractmethod
+    def paths(self) -> Optional[dict]:
+        """How its worker runs it (``engine.paths``), once it serves."""
+
+    @abstractmethod
     def status(self) -> dict[str, Any]: ...
 
-    async def ensure_ready(self, deadline: float) -> None:
-        """Load it if needed and wait until it serves; raises ``AdmissionError``."""
+    async def lease(self, deadline: float, keep_alive: Optional[float] = None) -> Lease:
+        """A lease on a worker that serves it, loading it first if needed; raises
+        ``AdmissionError``. ``keep_alive`` (a request's) replaces the manifest's."""
+        return Lease(self, await self.hold(deadline, keep_alive), deadline)
 
-    async def acquire(self, deadline: float, keep_alive: Optional[float] = None) -> Lease:
-        """A lease on its worker once it serves (``keep_alive`` from the request)."""
+    @abstractmethod
+    async def hold(self, deadline: float, keep_alive: Optional[float] = None
+                   ) -> WorkerHandle:
+        """A worker for one request, counted in flight until ``let_go``."""
 
-    def begin(self) -> WorkerHandle:
-        """A request starts on its worker (called by ``Lease``)."""
+    @abstractmethod
+    def let_go(self, w: WorkerHandle) -> None:
+        """The request that held ``w`` is done."""
 
-    def end(self, w: WorkerHandle) -> None: ...
+    @abstractmethod
+    async def worker_status(self) -> Optional[dict]:
+        """Its serving worker's ``/v1/status``, when this node runs it and it serves."""
 
+    @abstractmethod
     async def load(self, deadline: float, keep_alive: Optional[float] = None) -> dict:
         """Load it and wait until it serves; its status after."""
 
-    async def unload(self, reason: str) -> dict:
+    @abstractmethod
+    async def unload(self, reason: str = "unload requested") -> dict:
         """Unload it once its requests finish; its status after."""
 
+    @abstractmethod
     async def logs(self, tail: int, follow: bool) -> AsyncIterator[str]:
         """Its worker's last ``tail`` log lines, then new ones as they come if
         ``follow``; raises before the first line when they cannot be had."""
@@ -129,9 +146,9 @@ class ServedModel(Protocol):
 class Lease:
     """One request's hold on a ready worker: it counts in flight until released."""
 
-    def __init__(self, model: ServedModel, deadline: float):
+    def __init__(self, model: ServedModel, worker: WorkerHandle, deadline: float):
         self.model, self.deadline = model, deadline
-        self.worker: Optional[WorkerHandle] = model.begin()
+        self.worker: Optional[WorkerHandle] = worker
 
     @property
     def name(self) -> str:
@@ -141,7 +158,7 @@ class Lease:
         """Idempotent: the request no longer holds the worker."""
         if self.worker is not None:
             w, self.worker = self.worker, None
-            self.model.end(w)
+            self.model.let_go(w)
 
     async def send(self, method: str, path: str, body: bytes,
                    headers: dict[str, str]) -> Any:
@@ -161,8 +178,7 @@ class Lease:
                                          f"{e}", e.code) from None
                 self.release()
                 await asyncio.sleep(0.2)
-                await self.model.ensure_ready(self.deadline)
-                self.worker = self.model.begin()
+                self.worker = await self.model.hold(self.deadline)
             except WorkerFailed as e:
                 if e.retry_after is not None:
                     raise AdmissionError(503, str(e), e.code,
@@ -178,23 +194,3 @@ class Lease:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.release()
-
-
-class Acquire:
-    """``async with sup.acquire(...) as lease`` or ``lease = await sup.acquire(...)``
-    (then ``lease.release()`` when done, e.g. at the end of a relayed stream)."""
-
-    def __init__(self, get: Callable[[], Awaitable[Lease]]):
-        self._get = get
-        self._lease: Optional[Lease] = None
-
-    def __await__(self):
-        return self._get().__await__()
-
-    async def __aenter__(self) -> Lease:
-        self._lease = await self._get()
-        return self._lease
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self._lease is not None:
-            self._lease.release()

@@ -1,15 +1,11 @@
-"""A model's lifecycle as pure decisions: its phases, and the next step toward what is wanted.
+"""A model's lifecycle vocabulary: its phases, and the crash backoff. Pure.
 
-``ModelRuntime`` (runtime.py) asks ``next_step`` what to do, does it, and asks
-again; the decision itself has no clocks, processes or awaits, so it is tested
-as a table (tests/test_lifecycle.py).
+The node's scheduler (scheduler.py) is the one that sets phases.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
 
 
 class ModelPhase(str, Enum):
@@ -28,43 +24,6 @@ class ModelPhase(str, Enum):
 
     __str__ = str.__str__
     __format__ = str.__format__
-
-
-class Step(Enum):
-    IDLE = "idle"  # nothing to run: wait to be woken (load, spec change, removal)
-    UNLOAD = "unload"  # not wanted but workers exist: drain and stop them
-    SERVE = "serve"  # the serving worker runs the wanted spec: watch it
-    START = "start"  # wanted, nothing serves: start a worker
-    REPLACE = "replace"  # a worker serves an older spec: start one beside it, then swap
-    BACKOFF = "backoff"  # a start or a worker failed recently: wait before trying again
-    SHUTDOWN = "shutdown"  # removed: stop everything and end
-
-
-@dataclass(frozen=True)
-class Desired:
-    loaded: bool  # the scheduler wants it in memory
-    removed: bool  # its manifest is gone
-    spec_hash: str  # the worker hash of the current manifest
-
-
-@dataclass(frozen=True)
-class Observed:
-    serving_hash: Optional[str]  # the live serving worker's spec hash; None: none serves
-    has_workers: bool  # any worker process exists (serving or starting)
-    backoff_left: float = 0.0  # seconds before another start may be tried
-
-
-def next_step(desired: Desired, observed: Observed) -> Step:
-    """What the runtime does next to move ``observed`` toward ``desired``."""
-    if desired.removed:
-        return Step.SHUTDOWN
-    if not desired.loaded:
-        return Step.UNLOAD if observed.has_workers else Step.IDLE
-    if observed.serving_hash == desired.spec_hash:
-        return Step.SERVE
-    if observed.backoff_left > 0:
-        return Step.BACKOFF
-    return Step.START if observed.serving_hash is None else Step.REPLACE
 
 
 def backoff_delay(consecutive_failures: int, base: float, cap: float) -> float:

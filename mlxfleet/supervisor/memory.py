@@ -1,5 +1,5 @@
-"""What a model's workers get and cost in memory, as the scheduler sees it (a part of
-ModelRuntime).
+"""What a model's workers get and cost in memory (a part of ModelRuntime); the
+scheduler asks for ``footprint``.
 
 A footprint is max(estimate, measured): the estimate is the weights on disk,
 the KV cache budget and a per-worker overhead; the measurement is the serving
@@ -12,7 +12,6 @@ from typing import Optional
 
 from ..worker_settings import WorkerConfig
 from .placement import shard_share
-from .scheduler import Candidate
 from .worker_config import worker_config
 
 
@@ -62,10 +61,3 @@ class MemoryAccount:
         if rss:
             self.measured_bytes = max(self.measured_bytes or 0, rss)
         return max(self.estimated_bytes(), self.measured_bytes or 0)
-
-    def candidate(self) -> Candidate:
-        s = self.manifest.spec
-        busy = self.inflight > 0 or self.starting is not None or (
-            self.want_loaded and not self.ready)
-        return Candidate(self.name, self.footprint(), self.holds_memory, busy, s.pinned,
-                         s.priority, self.last_used or self.created)

@@ -23,7 +23,7 @@ from ..fleet_auth import CLIENT_AUTH
 from ..manifest import Manifest
 from ..units import iso
 from ..wire import APIError
-from .admission import AdmissionError, Lease
+from .admission import AdmissionError, ServedModel
 from .fleet import Fleet
 from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
 from .lifecycle import ModelPhase
@@ -152,11 +152,10 @@ class _Watched:
         await self._resp.aclose()
 
 
-class RemoteModel:
+class RemoteModel(ServedModel):
     """A model of the fleet served by another node, or by none (unschedulable)."""
 
     removed = False
-    want_loaded = True
     waiters = 0
 
     def __init__(self, manifest: Manifest, file: str, placement: Placement, fleet: Fleet):
@@ -164,10 +163,6 @@ class RemoteModel:
         self.created = time.time()
         self.worker = RemoteWorker(fleet, placement.node, manifest.worker_hash()) \
             if placement.node else None
-
-    @property
-    def name(self) -> str:
-        return self.manifest.name
 
     @property
     def node(self) -> Optional[str]:
@@ -225,13 +220,19 @@ class RemoteModel:
             raise AdmissionError(503, f"Model '{self.name}' is unavailable: {why}.",
                                  "node_unreachable", retry_after=self.fleet.grace)
 
-    async def ensure_ready(self, deadline: float) -> None:
-        self.check()  # the node that runs it loads it, when the request gets there
-
-    async def acquire(self, deadline: float, keep_alive: Optional[float] = None) -> Lease:
-        """A lease on the node that runs it (the forwarded body carries ``keep_alive``)."""
+    async def hold(self, deadline: float, keep_alive: Optional[float] = None
+                   ) -> RemoteWorker:
+        """The node that runs it, which loads it when the request gets there (the
+        forwarded body carries ``keep_alive``)."""
         self.check()
-        return Lease(self, deadline)
+        self.worker.acquire()
+        return self.worker
+
+    def let_go(self, w: RemoteWorker) -> None:
+        w.release()
+
+    async def worker_status(self) -> Optional[dict]:
+        return None  # its node reports it
 
     async def load(self, deadline: float, keep_alive: Optional[float] = None) -> dict:
         params = {} if keep_alive is None else {
@@ -281,13 +282,6 @@ class RemoteModel:
         finally:
             await r.aclose()
         raise APIError.answered(r.status_code, body, f"node '{self.node}'", r.headers)
-
-    def begin(self) -> RemoteWorker:
-        self.worker.acquire()
-        return self.worker
-
-    def end(self, w: RemoteWorker) -> None:
-        w.release()
 
     def status(self) -> dict[str, Any]:
         """The serving node's status of the model (the same fields as a local one's),

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import itertools
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -24,28 +28,45 @@ from ..manifest import (
 from ..names import loggable
 from ..settings import ServerSettings
 from ..store import Limits, Pulls
-from ..units import fmt_bytes
-from .admission import Acquire, AdmissionError, Lease
+from .admission import AdmissionError, ServedModel
 from .handle import WorkerHandle
 from .membership import FleetMembership
 from .reconcile import Action, plan
 from .runtime import ModelRuntime
-from .scheduler import plan_load
+from .scheduler import (
+    Added,
+    Changed,
+    Effect,
+    Event,
+    Facts,
+    Forget,
+    Grant,
+    NodeRules,
+    NodeScheduler,
+    Note,
+    PhaseChanged,
+    Refuse,
+    Removed,
+    SetTimer,
+    StartWorker,
+    StopWorker,
+    TimerFired,
+)
 
 log = logging.getLogger("mlxfleet.supervisor")
 
 
-RUNTIME_PREFIX = "mlxfleet-"
+SOCKET_DIR_PREFIX = "mlxfleet-"
 OWNER_FILE = "supervisor.pid"
 #: The longest socket path every platform takes (macOS: 104 bytes with the NUL; Linux 108).
 MAX_SOCKET_PATH = 103
 
 
-def runtime_base() -> Path:
+def socket_base() -> Path:
     """Where the private socket folder goes: ``$XDG_RUNTIME_DIR``, or /tmp when that is
     unset or too deep for a socket path under it (a worker could not bind)."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
-    longest = base / f"{RUNTIME_PREFIX}xxxxxxxx" / "99999.sock"
+    longest = base / f"{SOCKET_DIR_PREFIX}xxxxxxxx" / "99999.sock"
     if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
         log.warning("XDG_RUNTIME_DIR %s is too deep for socket paths (%d bytes at most): "
                     "worker sockets go under /tmp", base, MAX_SOCKET_PATH)
@@ -53,10 +74,10 @@ def runtime_base() -> Path:
     return base
 
 
-def remove_stale_runtime_dirs(base: Path) -> None:
-    """Delete runtime folders (worker sockets) left by supervisors that died without
+def remove_stale_socket_dirs(base: Path) -> None:
+    """Delete socket folders left by supervisors that died without
     cleaning up: ours, marked with an owner pid that no longer runs."""
-    for d in base.glob(f"{RUNTIME_PREFIX}*"):
+    for d in base.glob(f"{SOCKET_DIR_PREFIX}*"):
         try:
             if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
                 continue
@@ -80,7 +101,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Supervisor(FleetMembership):
-    """Owns every model runtime; the gateway asks it where to send requests."""
+    """The node: watches the folder, feeds its scheduler events and carries out the
+    effects it decides (through the models' runtimes); the gateway asks it where to
+    send requests."""
 
     def __init__(self, settings: ServerSettings,
                  worker_factory: Optional[Callable[[ModelRuntime], WorkerHandle]] = None):
@@ -90,8 +113,14 @@ class Supervisor(FleetMembership):
         self.manifests_dir = Path(settings.manifests_dir).resolve()
         self.rules = Rules(settings.max_manifest_bytes, tuple(settings.allow_worker_env))
         self.log_dir = Path(settings.state_dir).expanduser().resolve() / "logs"
-        self.runtime_dir: Optional[Path] = None  # made by start()
-        self.models: dict[str, ModelRuntime] = {}
+        self.socket_dir: Optional[Path] = None  # made by start()
+        self.models: dict[str, ModelRuntime] = {}  # by name: the ones requests reach
+        self._runtimes: dict[str, ModelRuntime] = {}  # by key: these and deleted ones
+        self._events: collections.deque[Event] = collections.deque()
+        self._dispatching = False
+        self._answers: dict[int, asyncio.Future] = {}  # ticket -> the scheduler's answer
+        self._tickets = itertools.count(1)
+        self._timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self.aliases: dict[str, str] = {}
         self.patterns: dict[str, str] = {}  # glob aliases -> model name
         self.file_errors: dict[str, list[ManifestError]] = {}
@@ -99,11 +128,15 @@ class Supervisor(FleetMembership):
         self._watch_task: Optional[asyncio.Task] = None
         self._stopping: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
-        self._sched_lock = asyncio.Lock()
-        self._idle = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.memory_budget, self.memory_budget_source = settings.memory_budget_bytes()
-        self._own_budget = (self.memory_budget, self.memory_budget_source)
+        budget, self.memory_budget_source = settings.memory_budget_bytes()
+        self.scheduler = NodeScheduler(NodeRules(
+            budget=budget, max_loaded=settings.max_loaded_models,
+            keep_alive=settings.keep_alive_seconds, backoff_base=settings.backoff_base,
+            backoff_cap=settings.backoff_cap, stable_period=settings.stable_period,
+            settle=settings.spec_settle_ms / 1000, busy_wait=settings.busy_wait_timeout),
+            footprint=lambda key: self._runtimes[key].footprint())
+        self._own_budget = (budget, self.memory_budget_source)
         # Fleets (--node): the other nodes, placement, and the models they run.
         self.node_name: Optional[str] = settings.node
         self.fleet = None
@@ -122,11 +155,11 @@ class Supervisor(FleetMembership):
 
     async def start(self) -> None:
         # Sockets live in a private directory with a short path (macOS caps them at 104).
-        base = runtime_base()
-        remove_stale_runtime_dirs(base)
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=base))
-        os.chmod(self.runtime_dir, 0o700)
-        (self.runtime_dir / OWNER_FILE).write_text(str(os.getpid()))
+        base = socket_base()
+        remove_stale_socket_dirs(base)
+        self.socket_dir = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=base))
+        os.chmod(self.socket_dir, 0o700)
+        (self.socket_dir / OWNER_FILE).write_text(str(os.getpid()))
         private_dir(self.log_dir.parent)  # the state dir: logs, responses, prompt caches
         private_dir(self.log_dir)
         if not self.manifests_dir.exists():
@@ -137,18 +170,26 @@ class Supervisor(FleetMembership):
         if self.fleet is not None:
             self._spawn(self._fleet_loop())
 
+    @property
+    def memory_budget(self) -> int:
+        return self.scheduler.rules.budget
+
+    @memory_budget.setter
+    def memory_budget(self, budget: int) -> None:
+        self.scheduler.rules = dataclasses.replace(self.scheduler.rules, budget=budget)
+
     async def stop(self) -> None:
         if self._watch_task:
             self._watch_task.cancel()
         for t in list(self._tasks):
             t.cancel()
-        for rt in self.models.values():
-            rt.remove()
-        tasks = [rt.task for rt in self.models.values()] + list(self._stopping)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.models.clear()
-        if self.runtime_dir is not None:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        for name in list(self.models):
+            self._delete(name)
+        await asyncio.gather(*self._stopping, return_exceptions=True)
+        for h in self._timers.values():
+            h.cancel()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         if self.fleet is not None:
             await self.fleet.close()
 
@@ -162,7 +203,7 @@ class Supervisor(FleetMembership):
         from .process import WorkerProcess
 
         self._seq += 1
-        sock = self.runtime_dir / f"{self._seq}.sock"  # (a model's name may be 63 bytes)
+        sock = self.socket_dir / f"{self._seq}.sock"  # (a model's name may be 63 bytes)
         s = self.settings
         return WorkerProcess(rt.manifest, sock, self.log_path(rt.name), s.log_max_bytes,
                              s.log_backups, s, rt.worker_config)
@@ -170,19 +211,88 @@ class Supervisor(FleetMembership):
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
+    # ---- the scheduler -----------------------------------------------------
+
+    def dispatch(self, event: Event) -> None:
+        """Hand the scheduler an event and carry out what it decides. Events that come
+        while effects are being carried out queue behind them: one at a time, in order."""
+        self._events.append(event)
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while self._events:
+                ev = self._events.popleft()
+                effects = self.scheduler.handle(ev, time.monotonic())
+                if isinstance(ev, Added):
+                    self._runtimes[ev.name].state = self.scheduler.models[ev.name]
+                for effect in effects:
+                    self._carry_out(effect)
+        finally:
+            self._dispatching = False
+
+    def ticket(self) -> tuple[int, asyncio.Future]:
+        """A ticket for a request to the scheduler, and the future its answer sets."""
+        t = next(self._tickets)
+        fut = self._answers[t] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda _: self._answers.pop(t, None))
+        return t, fut
+
+    def _carry_out(self, effect: Effect) -> None:
+        if isinstance(effect, (Grant, Refuse)):
+            fut = self._answers.pop(effect.ticket, None)
+            if fut is None or fut.done():
+                return
+            if isinstance(effect, Refuse):
+                fut.set_exception(effect.error)
+            elif effect.worker is None:
+                fut.set_result(None)
+            else:
+                rt = next(r for r in self._runtimes.values() if effect.worker in r.workers)
+                fut.set_result(rt.grant(effect.worker))
+            return
+        if isinstance(effect, SetTimer):
+            key = (effect.name, effect.kind)
+            if key in self._timers:
+                self._timers.pop(key).cancel()
+            self._timers[key] = asyncio.get_running_loop().call_later(
+                max(0.0, effect.at - time.monotonic()), self._fire, effect)
+            return
+        rt = self._runtimes.get(effect.name)
+        if rt is None:
+            return
+        if isinstance(effect, StartWorker):
+            rt.start(effect.worker)
+        elif isinstance(effect, StopWorker):
+            rt.stop(effect.worker, effect.drain)
+        elif isinstance(effect, Note):
+            rt.note(effect.type, effect.reason, effect.message)
+        elif isinstance(effect, PhaseChanged):
+            log.info("%s: %s (%s: %s)", rt.name, effect.phase.value, effect.reason,
+                     effect.message)
+            rt.phase_changed(effect.phase, effect.reason, effect.message)
+        elif isinstance(effect, Forget):
+            del self._runtimes[effect.name]
+            for kind in ("keepalive", "retry", "settle", "memory"):
+                h = self._timers.pop((effect.name, kind), None)
+                if h is not None:
+                    h.cancel()
+            rt.gone.set()
+
+    def _fire(self, timer: SetTimer) -> None:
+        if self._timers.get((timer.name, timer.kind)) is not None:
+            del self._timers[(timer.name, timer.kind)]
+        self.dispatch(TimerFired(timer.name, timer.kind, timer.token))
+
+    def _facts(self, rt: ModelRuntime) -> Facts:
+        spec, cfg = rt.manifest.spec, rt.worker_config
+        return Facts(rt.manifest.worker_hash(), spec.keep_alive, spec.preload, spec.pinned,
+                     spec.priority, cfg.max_concurrency + cfg.max_queue,
+                     always=rt.rank is not None)
+
     # ---- admission -------------------------------------------------------
 
-    def acquire(self, model: str, deadline: float, keep_alive: Optional[float] = None
-                ) -> Acquire:
-        """A lease on a ready worker for ``model`` (name or alias), loading it on demand;
-        raises ``AdmissionError``. ``deadline`` is ``time.monotonic()`` based."""
-        return Acquire(lambda: self._admit(model, deadline, keep_alive))
-
-    async def _admit(self, model: str, deadline: float, keep_alive: Optional[float]
-                     ) -> Lease:
-        return await self.find(model).acquire(deadline, keep_alive)
-
-    def find(self, model: str, forwarded: bool = False) -> Any:
+    def find(self, model: str, forwarded: bool = False) -> ServedModel:
         """The model a request names (``resolve``), or the 404 it gets. ``forwarded``: the
         request came from another node, which never sends one for a model it does not
         run here; placements disagree for a moment (a node just came or went), so it is
@@ -205,7 +315,7 @@ class Supervisor(FleetMembership):
 
     # ---- routing ---------------------------------------------------------
 
-    def resolve(self, model: str) -> Optional[ModelRuntime]:
+    def resolve(self, model: str) -> Optional[ServedModel]:
         """The runtime for a model name or alias, if any (in a fleet, a ``RemoteModel``
         for a model another node runs). ``NAME:latest`` (how Ollama's clients name a
         model) is NAME unless something is called that exactly."""
@@ -223,7 +333,7 @@ class Supervisor(FleetMembership):
             return self.resolve(model[:-len(":latest")])
         return rt
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> Optional[ServedModel]:
         """The local runtime or remote model called exactly ``name``, if any."""
         rt = self.models.get(name)
         if rt is None or (rt.rank and rt.rank[0] > 0):  # a follower rank: route to rank 0
@@ -238,7 +348,7 @@ class Supervisor(FleetMembership):
         """Every model of the fleet (of this node alone when it is not in one)."""
         return sorted(set(self.names()) | set(self.remote))
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[ServedModel]:
         """Every model of the fleet, local runtimes and remote models, by name."""
         return [self.get(n) for n in self.all_names()]
 
@@ -305,23 +415,27 @@ class Supervisor(FleetMembership):
             lm = desired.get(name)
             if action is Action.CREATE:
                 log.info("%s: creating (%s)", name, lm.manifest.spec.source)
-                self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, self,
+                key = name
+                for n in itertools.count(2):  # a deleted one of that name still stops
+                    if key not in self._runtimes:
+                        break
+                    key = f"{name}#{n}"
+                self.models[name] = rt = ModelRuntime(lm.manifest, lm.file, key, self,
                                                       self._ranks.get(name))
+                self._runtimes[key] = rt
                 if rt.rank is not None:
                     log.info("%s: rank %d of %d (%s)", name, rt.rank[0], len(rt.rank[1]),
                              ", ".join(rt.rank[1]))
                 self._spawn(self._fetch(rt))
-                if lm.manifest.spec.preload or rt.rank is not None:
-                    self._spawn(self._preload(rt))
+                self.dispatch(Added(key, self._facts(rt)))
             elif action in (Action.KEEP, Action.REPLACE):
                 rt = self.models[name]
-                was = rt.manifest.spec.preload
                 moved = lm.manifest.source_changed(rt.manifest)
-                rt.update(lm.manifest, lm.file, restart=action is Action.REPLACE)
+                restart = action is Action.REPLACE
+                rt.update(lm.manifest, lm.file, restart=restart)
                 if moved:
                     self._spawn(self._fetch(rt))
-                if lm.manifest.spec.preload and not was:
-                    self._spawn(self._preload(rt))
+                self.dispatch(Changed(rt.key, self._facts(rt), restart))
             elif action is Action.DELETE:
                 self._delete(name)
         wanted = self._wanted
@@ -336,9 +450,10 @@ class Supervisor(FleetMembership):
     def _delete(self, name: str) -> None:
         rt = self.models.pop(name)
         log.info("%s: deleting", name)
-        rt.remove()
-        self._stopping.add(rt.task)
-        rt.task.add_done_callback(self._stopping.discard)
+        self.dispatch(Removed(rt.key))
+        t = asyncio.ensure_future(rt.wait_gone())
+        self._stopping.add(t)
+        t.add_done_callback(self._stopping.discard)
 
     # ---- scheduling ------------------------------------------------------
 
@@ -375,16 +490,6 @@ class Supervisor(FleetMembership):
                 return
             rt.event("Normal", "Pulled", f"{source} is on disk")
 
-    async def _preload(self, rt: ModelRuntime) -> None:
-        try:
-            await self.ensure_loaded(rt)
-        except AdmissionError as e:
-            rt.event("Warning", "PreloadRefused", str(e))
-
-    def notify_idle(self) -> None:
-        """A model went idle (or gave up its memory): waiting loads may now fit."""
-        self._idle.set()
-
     def memory_status(self) -> dict:
         used = sum(rt.footprint() for rt in self.models.values() if rt.holds_memory)
         loaded = [n for n, rt in self.models.items() if rt.holds_memory]
@@ -392,53 +497,6 @@ class Supervisor(FleetMembership):
                 "usedBytes": used,
                 "freeBytes": self.memory_budget - used, "loaded": sorted(loaded),
                 "maxLoadedModels": self.settings.max_loaded_models or None}
-
-    async def ensure_loaded(self, rt: ModelRuntime) -> None:
-        """Make ``rt`` load, evicting idle models if it would not fit.
-
-        Only one load decision runs at a time, so two loads never both count
-        the same free memory. A busy model is never evicted: the decision waits
-        (bounded) for it to go idle. Raises AdmissionError when nothing can make room.
-        """
-        if rt.want_loaded:
-            return
-        wait = rt.retry_after()
-        if wait > 0:
-            raise AdmissionError(503, f"Model '{rt.name}' failed to load: {rt.last_error}. "
-                                 f"Retrying in {wait:.0f}s.", "model_load_failed",
-                                 retry_after=wait)
-        deadline = asyncio.get_running_loop().time() + self.settings.busy_wait_timeout
-        async with self._sched_lock:
-            while not rt.want_loaded and not rt.removed:
-                others = [m.candidate() for m in self.models.values() if m is not rt]
-                p = plan_load(rt.candidate(), others, self.memory_budget,
-                              self.settings.max_loaded_models)
-                if p.ok:
-                    victims = [self.models[n] for n in p.evict]
-                    for v in victims:
-                        v.evictions += 1
-                        v.release_memory(f"evicted to make room for '{rt.name}' "
-                                 f"({fmt_bytes(rt.footprint())})")
-                    await asyncio.gather(*(v.wait_unloaded() for v in victims))
-                    rt.claim_memory()
-                    return
-                left = deadline - asyncio.get_running_loop().time()
-                if not p.wait or left <= 0:
-                    rt.event("Warning", "LoadRefused", p.message)
-                    raise AdmissionError(503, f"Cannot load model {p.message}.",
-                                         "insufficient_memory", retry_after=5)
-                log.info("%s: waiting for a busy model to go idle: %s", rt.name, p.message)
-                self._idle.clear()
-                try:
-                    await asyncio.wait_for(self._idle.wait(), min(left, 5.0))
-                except asyncio.TimeoutError:
-                    pass
-
-    async def unload(self, rt: ModelRuntime, reason: str = "unload requested") -> None:
-        """Unload after in-flight requests finish (the worker's drain grace period)."""
-        rt.release_memory(reason)
-        await rt.wait_unloaded()
-        self.notify_idle()
 
     async def _watch(self) -> None:
         from watchfiles import awatch

@@ -397,7 +397,7 @@ class Worker:
 
     def status(self) -> dict[str, Any]:
         return {"context_length": self.engine.context_length,
-                "inflight_requests": self.inflight, **self.engine.snapshot,
+                "inflight_requests": self.inflight, **self.engine.report,
                 "requests": [_request_status(rid, p) for rid, p in self.calls.items()]}
 
 

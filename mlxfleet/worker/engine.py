@@ -7,7 +7,7 @@ through a thread-safe inbox; results come back to the event loop once per
 step, in one ``call_soon_threadsafe`` for the whole batch rather than one per
 token. Tokens are turned into text here too (``decode.py``), so a stop string
 ends its sequence in the step that produced it. The thread publishes a status
-snapshot; nothing else reads MLX or the prompt cache.
+report (``Engine.report``); nothing else reads MLX or the prompt cache.
 
 About 800 lines on purpose: everything here runs on the one engine thread and shares
 its state (the batch, the prompt cache, the live sequences); splitting it would pass
@@ -63,7 +63,7 @@ from .vocab import additive_mask, mask_unknown_ids, unknown_ids
 
 log = logging.getLogger("mlxfleet.engine")
 
-SNAPSHOT_INTERVAL = 0.1  # seconds between status snapshots while busy
+REPORT_INTERVAL = 0.1  # seconds between status reports while busy
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Engine:
         self._unknown_mask: Any = None
         self.load_seconds: Optional[float] = None
         self.stats = EngineStats()
-        self.snapshot: dict[str, Any] = {}  # published by the engine thread (see _publish)
+        self.report: dict[str, Any] = {}  # published by the engine thread (see _publish)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -897,11 +897,11 @@ class Engine:
         """Snapshot the status for the event loop (a new dict each time: readers on
         other threads only ever see a whole one)."""
         now = time.monotonic()
-        if not force and now - self._published < SNAPSHOT_INTERVAL:
+        if not force and now - self._published < REPORT_INTERVAL:
             return
         self._published = now
         spec = self._speculator
-        self.snapshot = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
+        self.report = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
                          "paths": self.paths,
                          "speculation": spec.stats.as_dict() if spec else None,
                          "grammar": grammar_stats(),

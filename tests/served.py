@@ -1,4 +1,5 @@
-"""A real ``mlxfleet serve`` process over a temporary manifests folder, for tests."""
+"""``Served``: a real ``mlxfleet serve`` process over a temporary manifests folder (one
+node, or ``Served.nodes``: several as a fleet), for tests."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def wait_for(pred: Callable, timeout: float = 30.0, interval: float = 0.1):
     return pred()
 
 
-class Fleet:
+class Served:
     """One ``mlxfleet serve``; ``manifests`` shares another's folder (nodes of a fleet),
     ``args`` are more flags (``--node a``)."""
 
@@ -74,7 +75,7 @@ class Fleet:
         self.proc: Optional[subprocess.Popen] = None
 
     @classmethod
-    def nodes(cls, root: Path, names: str, env: dict) -> dict[str, Fleet]:
+    def nodes(cls, root: Path, names: str, env: dict) -> dict[str, Served]:
         """Nodes of one fleet (not started): one shared manifests folder, each node with
         its own port, state and ``--node NAME``."""
         shared = root / "manifests"
@@ -89,14 +90,14 @@ class Fleet:
         os.replace(tmp, p)
         return p
 
-    def start(self) -> Fleet:
+    def start(self) -> Served:
         self.launch()
         ok = wait_for(self._up, timeout=30)
         assert ok, self.logs()
         return self
 
     @staticmethod
-    def start_all(nodes: dict[str, Fleet]) -> None:
+    def start_all(nodes: dict[str, Served]) -> None:
         """Start the nodes of a fleet together, as machines booting at once do (each
         node gives the others ``fleet_grace`` seconds to answer)."""
         for n in nodes.values():
