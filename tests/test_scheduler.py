@@ -25,6 +25,7 @@ from mlxfleet.supervisor.scheduler import (
     PhaseChanged,
     Refuse,
     Removed,
+    RetryNow,
     SetTimer,
     StartFailed,
     StartWorker,
@@ -356,3 +357,17 @@ def test_no_module_but_the_scheduler_sets_a_phase():
                     if isinstance(el, ast.Attribute) and el.attr == "phase":
                         setters.append(f"{path.relative_to(root)}:{node.lineno}")
     assert setters and all(s.startswith("supervisor/scheduler.py:") for s in setters), setters
+
+
+def test_a_start_that_failed_pulling_is_retried_at_once_when_a_node_comes_back():
+    """After a failed peer copy, the retry waited out the backoff (35 s): when the node
+    that holds the weights answers again, the membership loop sends ``RetryNow``."""
+    n = Node(backoff_base=30, backoff_cap=60)
+    n.add("a", preload=True)
+    first = n.s.models["a"].starting.id
+    out = n.on(StartFailed("a", first, "cannot reach the hub; node b: refused"), at=1)
+    n.on(WorkerStopped("a", first), at=1)
+    assert n.phase("a") is ModelPhase.BACKOFF and timer(out, "retry").at == 31
+    out = n.on(RetryNow("a", "node 'b' is back"), at=2)
+    assert len(starts(out)) == 1 and n.phase("a") is ModelPhase.LOADING
+    assert n.on(RetryNow("a", "again"), at=3) == []  # nothing failed: nothing to do

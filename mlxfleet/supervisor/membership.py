@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ..manifest import FileResult, LoadedManifest, NodeManifest
+from .scheduler import RetryNow
 
 log = logging.getLogger("mlxfleet.supervisor")
 
@@ -108,7 +109,14 @@ class FleetMembership:
         while True:
             await asyncio.sleep(self.settings.fleet_poll_interval)
             try:
+                up = {n for n in fleet.peers if fleet.healthy(n)}
                 await fleet.poll_once(timeout=max(1.0, self.settings.fleet_poll_interval))
+                back = sorted(n for n in fleet.peers if fleet.healthy(n) and n not in up)
+                if back:  # a pull that failed may succeed from it: retry without backoff
+                    for rt in list(self.models.values()):
+                        if rt.pull_failed:
+                            self.dispatch(RetryNow(rt.key, f"node '{back[0]}' is back; "
+                                                   "pulling the weights again"))
                 async with self._lock:
                     before = dict(fleet.placements)
                     self._apply()

@@ -57,6 +57,7 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
         self.created = time.time()
         self.weight_bytes: Optional[int] = None
         self.measured_bytes: Optional[int] = None
+        self.pull_failed = False  # its last start failed pulling the weights
         self.workers: dict[int, WorkerHandle] = {}
         self._generation_of: dict[int, int] = {}
         self._tasks: dict[int, asyncio.Task] = {}  # a worker's start, then its watch
@@ -362,8 +363,10 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
             try:
                 await pull.wait()
             except PullError as e:
+                self.pull_failed = True
                 return str(e)
             self.weight_bytes = None  # measured now that they are here
+        self.pull_failed = False
         return None
 
     async def _measure_weights(self) -> None:

@@ -153,6 +153,15 @@ class WorkerStopped:
 
 
 @dataclass(frozen=True)
+class RetryNow:
+    """What made its last start fail may have changed (a node that holds its weights
+    came back): try again without waiting out the backoff."""
+
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
 class TimerFired:
     name: str
     kind: str  # "keepalive", "retry", "settle", "memory"
@@ -160,7 +169,7 @@ class TimerFired:
 
 
 Event = Union[Added, Changed, Removed, Wanted, GaveUp, Finished, UnloadAsked, WorkerReady,
-              StartFailed, WorkerExited, WorkerStopped, TimerFired]
+              StartFailed, WorkerExited, WorkerStopped, RetryNow, TimerFired]
 
 
 # ---- effects ----------------------------------------------------------------
@@ -507,6 +516,15 @@ class NodeScheduler:
                 other.blocked_by.discard(st.name)
                 self._step(other)
         self._retry_pending()
+
+    def _on_RetryNow(self, ev: RetryNow) -> None:
+        st = self.models.get(ev.name)
+        if st is None or st.failed_at is None or st.removed:
+            return
+        st.failed_at = None
+        st.timers.pop("retry", None)
+        self._note(st, "Normal", "Retrying", ev.why)
+        self._step(st)
 
     def _on_TimerFired(self, ev: TimerFired) -> None:
         st = self.models.get(ev.name)
