@@ -13,6 +13,6 @@ if [ "${1:-}" = "fast" ]; then
 fi
 .venv/bin/python -m pytest -q -m fast "$@"
 # Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
-# two share these cores well. worksteal spreads one file's tests (the zoo's) over both.
+# two share these cores well. One file stays in one process (its shared servers too).
 .venv/bin/python -m pytest -q -m "not fast" -n "${MLXFLEET_TEST_PROCESSES:-2}" \
-  --dist worksteal "$@"
+  --dist loadfile "$@"

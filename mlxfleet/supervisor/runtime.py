@@ -11,6 +11,7 @@ Its phase, queue and keep-alive are the scheduler's ``ModelState``, read here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Optional
@@ -37,6 +38,8 @@ from .scheduler import (
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
+
+log = logging.getLogger("mlxfleet.supervisor")
 
 #: Events of a rolling update (they set the Progressing condition).
 ROLLOUT = ("NewWorkerStarting", "RolloutComplete", "NewWorkerFailed")
@@ -259,7 +262,13 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
     async def _run_worker(self, wid: int) -> None:
         """Start worker ``wid``, tell the scheduler when it serves, then watch it until
         it exits on its own (a stop cancels this task first)."""
-        why = await self._start(wid)
+        try:
+            why = await self._start(wid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave waiters hanging
+            log.exception("%s: starting worker %d failed", self.name, wid)
+            why = f"supervisor error: {type(e).__name__}: {e}"
         if why is not None:
             self.sup.dispatch(StartFailed(self.key, wid, why))
             return
@@ -270,7 +279,14 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
         self.sup.dispatch(WorkerReady(self.key, wid))
         if self.weight_bytes is None:  # a builtin or download now on disk
             await self._measure_weights()
-        why = await self._watch(w)
+        try:
+            why = await self._watch(w)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the worker can no longer be watched
+            log.exception("%s: watching worker pid %s failed", self.name, w.pid)
+            w.kill()
+            why = f"supervisor error: {type(e).__name__}: {e}; killed"
         self.sup.dispatch(WorkerExited(self.key, wid, f"{why} (pid {w.pid})"))
         self.workers.pop(wid, None)
         await w.close()
