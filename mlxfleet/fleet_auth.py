@@ -27,9 +27,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 AUTH_HEADER = "X-Mlxfleet-Auth"
-#: Set on requests one node forwards to another: the receiver serves them itself or
-#: refuses, never forwards again (no loops while placements converge).
+#: Set on requests one node forwards to another: who sent it.
 FORWARDED_HEADER = "X-Mlxfleet-Forwarded-By"
+#: How many nodes a request has been forwarded by. While two nodes' placements disagree
+#: (a node just came or went; a one-way partition), the receiver passes a request on to
+#: the node it sees holding the model, once, never back to its sender: no loops.
+HOPS_HEADER = "X-Mlxfleet-Hops"
+MAX_HOPS = 2
 #: Seconds a signed request's timestamp may differ from this node's clock.
 SKEW = 120
 _NONCES = 200_000  # remembered within SKEW: a replay is refused

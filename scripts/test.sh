@@ -13,6 +13,7 @@ if [ "${1:-}" = "fast" ]; then
 fi
 .venv/bin/python -m pytest -q -m fast "$@"
 # Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
-# two share these cores well. One file stays in one process (its shared servers too).
+# two share these cores well. A file stays in one process (its shared servers too) unless
+# tests/conftest.py SPLIT lets its tests go to either, largest groups first.
 .venv/bin/python -m pytest -q -m "not fast" -n "${MLXFLEET_TEST_PROCESSES:-2}" \
-  --dist loadfile "$@"
+  --dist loadgroup "$@"

@@ -3,10 +3,12 @@ processes (each with its own port and state), real workers, real SIGKILL of a no
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
+from typing import Optional
 
 import anthropic
 import httpx
@@ -201,6 +203,33 @@ def test_the_fleet_key_is_required_between_nodes(nodes):
                    json={"model": "free1", "messages": [{"role": "user", "content": "x"}]},
                    timeout=10)
     assert r.status_code == 401
+
+
+def test_a_node_whose_view_differs_passes_a_request_on_once_never_back(nodes):
+    """While two nodes' placements disagree (a one-way partition: a cannot see c, b sees
+    both), a request that a forwards to b for a model b sees on c goes on to c: it was a
+    503 model_moved for as long as the partition lasted. Never back to its sender, and
+    never more than once (no circles). Here a's side of the disagreement is a request
+    signed as a's, for a model every node sees on c."""
+    from mlxfleet.fleet_auth import sign
+
+    def forwarded(sender: str, hops: Optional[int] = None) -> httpx.Response:
+        body = json.dumps({"model": "sel-c", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        headers = {**sign(KEY, sender, "POST", "/v1/chat/completions", body),
+                   "Content-Type": "application/json"}
+        if hops is not None:
+            headers["X-Mlxfleet-Hops"] = str(hops)
+        return httpx.post(nodes["b"].url + "/v1/chat/completions", content=body,
+                          headers=headers, timeout=60)
+
+    r = forwarded("a")
+    assert r.status_code == 200, r.text  # b passed it on to c, which answered
+    assert r.json()["usage"]["completion_tokens"] == 2
+    r = forwarded("c")  # c sent it: never back to c
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_moved", r.text
+    r = forwarded("a", hops=2)  # forwarded twice already: no further
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_moved", r.text
 
 
 def test_a_node_without_its_manifest_or_key_refuses_to_start(nodes, tmp_path):

@@ -67,6 +67,24 @@ CASES = [
      nodes(("a", 8), ("b", 16)), {"big": "on each of 2 nodes"}),
     ("distributed over a node with no manifest",
      [ModelView("big", GB, ranks=("a", "zz"))], nodes(("a", 8)), {"big": "zz"}),
+    # Resident models (preload, pinned) hold their memory for as long as they are placed.
+    ("residents go only where they fit beside other residents",
+     [ModelView("x", 3 * GB, resident=True), ModelView("y", 2 * GB, resident=True)],
+     nodes(("a", 4)), {"x": ("a",), "y": "room left beside the other resident models: a 1.0 GB"}),
+    ("models loaded on demand take turns on a node too small for all of them",
+     [ModelView("x", 3 * GB), ModelView("y", 2 * GB)], nodes(("a", 4)),
+     {"x": ("a",), "y": ("a",)}),
+    ("a side of a partition runs the residents it can hold, not all of them",
+     [ModelView("p", 3 * GB, resident=True), ModelView("q", 3 * GB, resident=True),
+      ModelView("r", 3 * GB)],
+     nodes(("a", 8, {}, False, {"p"}), ("c", 4, {}, True, {"q"})),
+     {"q": ("c",), "p": "needs 3.0 GB held resident", "r": ("c",)}),
+    ("residents are placed before models loaded on demand, which cannot crowd them out",
+     [ModelView("big", 6 * GB), ModelView("res", 3 * GB, resident=True)],
+     nodes(("a", 8, {}, True, {"big"})), {"res": ("a",), "big": ("a",)}),
+    ("a resident that stays where it is keeps its room first",
+     [ModelView("new", 3 * GB, resident=True), ModelView("old", 3 * GB, resident=True)],
+     nodes(("a", 4, {}, True, {"old"})), {"old": ("a",), "new": "room left"}),
 ]
 
 

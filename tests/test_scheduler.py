@@ -236,6 +236,18 @@ def test_a_spec_change_rolls_a_new_worker_in_beside_the_old_one():
     assert n.s.models["a"].serving.id == start.worker
 
 
+def test_a_settle_timer_that_fires_early_is_set_again_not_lost():
+    # (an event loop may run a timer a hair before its time: the rollout waited forever)
+    n = Node(settle=1.0)
+    n.add("a")
+    n.serve("a")
+    out = n.on(Changed("a", Facts("h-a2"), restart=True), at=10)
+    out = n.on(TimerFired("a", "settle", timer(out, "settle").token), at=10.999)
+    assert not starts(out) and timer(out, "settle").at == 11
+    (start,) = starts(n.on(TimerFired("a", "settle", timer(out, "settle").token), at=11))
+    assert start.worker
+
+
 def test_a_second_save_while_loading_abandons_the_first_start():
     n = Node()
     n.add("a", preload=True)

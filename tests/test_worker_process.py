@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import openai
@@ -52,23 +51,17 @@ def test_disconnected_clients_free_their_slots(start_worker):
 
 def test_sigterm_drains_in_flight_requests(start_worker):
     w = start_worker()
-    got: dict = {}
-
-    def stream():
-        with w.client() as c:
-            with c.stream("POST", "/v1/chat/completions",
-                          json={"model": "tiny", "messages": MSGS, "max_tokens": 600,
-                                "temperature": 0, "stream": True,
-                                "stream_options": {"include_usage": True}}) as r:
-                got["lines"] = [ln for ln in r.iter_lines() if ln]
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert wait_for(lambda: w.status()["num_running"] == 1, timeout=10)
-    w.proc.send_signal(signal.SIGTERM)
-    t.join(60)
+    lines: list[str] = []
+    with w.client() as c:
+        with c.stream("POST", "/v1/chat/completions",
+                      json={"model": "tiny", "messages": MSGS, "max_tokens": 600,
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+            for ln in r.iter_lines():
+                if ln and not lines:  # the stream has begun: ask the worker to stop
+                    w.proc.send_signal(signal.SIGTERM)
+                lines += [ln] if ln else []
     assert w.proc.wait(30) == 0
-    lines = got["lines"]
     assert lines[-1] == "data: [DONE]"
     usage = json.loads(lines[-2][len("data: "):])["usage"]
     assert usage["completion_tokens"] == 600  # the stream ran to the end

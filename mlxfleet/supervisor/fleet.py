@@ -176,7 +176,8 @@ class Fleet:
             views.append(ModelView(name, estimates.get(name, 0), tuple(spec.placement.nodes),
                                    dict(spec.placement.node_selector),
                                    tuple(d.nodes) if d else (),
-                                   (d.size or 1) if d and not d.nodes else 1))
+                                   (d.size or 1) if d and not d.nodes else 1,
+                                   resident=bool(spec.preload or spec.pinned or d)))
         self.placements = place(views, self.node_views(own_capacity))
         self.held = frozenset(n for n, p in self.placements.items() if self.me in p.nodes)
         return self.placements

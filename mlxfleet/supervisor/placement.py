@@ -13,6 +13,11 @@ of them reach the same answer without a leader or a consensus store. The rules:
    the estimates already placed there), ties broken by name. Biggest models are
    placed first.
 4. A model no allowed node can take is unschedulable, with the reason.
+5. A resident model (preloaded or pinned: it holds its memory for as long as it is
+   placed) goes only where it fits beside the residents placed there already, so a
+   side of a partition, or a fleet short of memory, runs the residents it can hold
+   and calls the rest unschedulable (they would evict each other in turn). Models
+   loaded on demand need only fit the node: they take turns, evicting idle ones.
 
 A distributed model (``spec.distributed``) is placed on several nodes at once
 (rank 0 first), each holding an equal share of its estimate.
@@ -48,6 +53,7 @@ class ModelView:
     selector: Mapping[str, str] = field(default_factory=dict)
     ranks: tuple[str, ...] = ()  # distributed over exactly these nodes
     size: int = 1  # distributed over this many nodes, chosen here
+    resident: bool = False  # preloaded or pinned: loaded for as long as it is placed
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,8 @@ class Placement:
 def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, Placement]:
     """The node(s) of every model, or why it has none."""
     by_name = {n.name: n for n in nodes}
-    free = {n.name: n.capacity for n in nodes}
+    free = {n.name: n.capacity for n in nodes}  # minus every estimate placed: to spread
+    room = dict(free)  # minus the residents' estimates: what a resident may still take
     out: dict[str, Placement] = {}
     todo: list[tuple[ModelView, list[NodeView]]] = []
     for m in models:
@@ -80,26 +87,51 @@ def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, P
         need = len(m.ranks) or m.size
         if len(fits) < need:
             out[m.name] = Placement(reason=_why_not(m, allowed, healthy, share, need))
-        elif m.ranks:  # the ranks are named: the only choice is whether they can run
-            out[m.name] = Placement(tuple(m.ranks))
-            _take(free, m.ranks, share)
         else:
             todo.append((m, fits))
-    # Models stay where they are first, so newcomers cannot push them away.
+
+    def put(m: ModelView, names) -> None:
+        out[m.name] = Placement(tuple(names))
+        _take(free, names, _share(m))
+        if m.resident:
+            _take(room, names, _share(m))
+
+    def roomy(m: ModelView, fits: list[NodeView]) -> list[NodeView]:
+        if not m.resident:
+            return fits
+        return [n for n in fits if room[n.name] is None or _share(m) <= room[n.name]]
+
+    # Named ranks first (nowhere else to go), then models that stay where they are, so
+    # newcomers cannot push them away; residents before models loaded on demand.
     rest = []
-    for m, fits in todo:
-        holders = [n.name for n in fits if m.name in n.holds]
+    for m, fits in sorted(todo, key=lambda t: (not t[0].ranks, not t[0].resident)):
+        if m.ranks:
+            if len(roomy(m, fits)) < len(m.ranks):
+                out[m.name] = Placement(reason=_no_room(m, fits, room))
+            else:
+                put(m, m.ranks)
+            continue
+        holders = [n.name for n in roomy(m, fits) if m.name in n.holds]
         if len(holders) >= m.size:
-            out[m.name] = Placement(tuple(holders[:m.size]))
-            _take(free, holders[:m.size], _share(m))
+            put(m, holders[:m.size])
         else:
             rest.append((m, fits))
-    for m, fits in sorted(rest, key=lambda t: (-t[0].estimate, t[0].name)):
-        best = sorted(fits, key=lambda n: (_free_key(free[n.name]), n.name))[:m.size]
+    for m, fits in sorted(rest, key=lambda t: (not t[0].resident, -t[0].estimate, t[0].name)):
+        can = roomy(m, fits)
+        if len(can) < m.size:
+            out[m.name] = Placement(reason=_no_room(m, fits, room))
+            continue
+        best = sorted(can, key=lambda n: (_free_key(free[n.name]), n.name))[:m.size]
         # ranks in name order, as a group that stays put lists them (holders, above)
-        out[m.name] = Placement(tuple(sorted(n.name for n in best)))
-        _take(free, [n.name for n in best], _share(m))
+        put(m, sorted(n.name for n in best))
     return out
+
+
+def _no_room(m: ModelView, fits: list[NodeView], room: dict[str, Optional[int]]) -> str:
+    left = ", ".join(f"{n.name} {fmt_bytes(max(room[n.name] or 0, 0))}" for n in fits)
+    return (f"needs {fmt_bytes(_share(m))} held resident (preload or pinned) on "
+            f"{len(m.ranks) or m.size} node(s); room left beside the other resident models: "
+            f"{left}")
 
 
 def _allowed(m: ModelView, n: NodeView) -> bool:

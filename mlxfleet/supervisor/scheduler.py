@@ -438,6 +438,7 @@ class NodeScheduler:
         st.last_used = self._now
         if st.inflight == 0:
             self._arm_keep_alive(st)
+            self._step(st)  # (idempotent: a rollout whose timer went astray goes on)
             self._retry_pending()  # a busy model went idle: a waiting load may evict it
 
     def _on_UnloadAsked(self, ev: UnloadAsked) -> None:
@@ -604,6 +605,8 @@ class NodeScheduler:
             return
         if st.settle_until > self._now or st.blocked_by or (
                 st.stopping and st.serving is None):  # (its old worker still stops)
+            if st.settle_until > self._now:  # (again if its timer came a hair early)
+                self._timer(st, "settle", st.settle_until)
             self._loading(st)
             return
         if st.failures:

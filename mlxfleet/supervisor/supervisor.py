@@ -262,6 +262,7 @@ class Supervisor(FleetMembership):
         if rt is None:
             return
         if isinstance(effect, StartWorker):
+            log.info("%s: starting worker %d", rt.name, effect.worker)
             rt.start(effect.worker)
         elif isinstance(effect, StopWorker):
             rt.stop(effect.worker, effect.drain)
@@ -292,11 +293,15 @@ class Supervisor(FleetMembership):
 
     # ---- admission -------------------------------------------------------
 
-    def find(self, model: str, forwarded: bool = False) -> ServedModel:
-        """The model a request names (``resolve``), or the 404 it gets. ``forwarded``: the
-        request came from another node, which never sends one for a model it does not
-        run here; placements disagree for a moment (a node just came or went), so it is
-        refused, never forwarded again: requests cannot go round in circles."""
+    def find(self, model: str, forwarded_by: Optional[str] = None, hops: int = 0
+             ) -> ServedModel:
+        """The model a request names (``resolve``), or the 404 it gets. ``forwarded_by``:
+        the node that sent the request here, ``hops`` nodes having forwarded it so far.
+        When placements disagree (a node just came or went, a one-way partition) and this
+        node sees another holding the model, the request goes on there, once, never back
+        to its sender (no circles); otherwise it is refused with ``model_moved``."""
+        from ..fleet_auth import MAX_HOPS
+
         rt = self.resolve(model)
         if rt is None:
             # glob aliases too: "claude-*" tells a client what it may send
@@ -305,7 +310,8 @@ class Supervisor(FleetMembership):
             raise AdmissionError(404, f"The model {loggable(model)} does not exist. "
                                  f"Available models: {known}.", "model_not_found",
                                  param="model")
-        if forwarded and rt.node != self.node_name:
+        if forwarded_by is not None and rt.node != self.node_name and (
+                rt.node is None or rt.node == forwarded_by or hops >= MAX_HOPS):
             where = f"node '{rt.node}'" if rt.node else "no node"
             raise AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node "
                                  f"'{self.node_name}' that this request was forwarded to; "
