@@ -13,7 +13,7 @@ if [ "${1:-}" = "fast" ]; then
 fi
 .venv/bin/python -m pytest -q -m fast "$@"
 # Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
-# two share these cores well. A file stays in one process (its shared servers too) unless
-# tests/conftest.py SPLIT lets its tests go to either, largest groups first.
+# two share these cores well. One file stays in one process (its shared servers too).
+# (Not --dist loadgroup: under pytest 9.2, pytest-xdist 3.8 no longer groups the tests.)
 .venv/bin/python -m pytest -q -m "not fast" -n "${MLXFLEET_TEST_PROCESSES:-2}" \
-  --dist loadgroup "$@"
+  --dist loadfile "$@"

@@ -26,27 +26,10 @@ FAST = frozenset({
     "test_uds_client.py", "test_mlx_lm_api.py", "test_prompt_cache.py"})
 
 
-#: Files whose tests share nothing but this process's session fixtures: the suite's two
-#: processes split them test by test. Every other file keeps its tests in one process
-#: (``--dist loadgroup``), so the servers its module fixtures start are shared.
-SPLIT = frozenset({
-    "test_zoo.py", "test_speculative.py", "test_kv_bits.py", "test_engine_faults.py",
-    "test_operator.py", "test_scheduling.py", "test_service.py", "test_worker_errors.py",
-    "test_worker_process.py", "test_vllm_mlx_cli.py"})
-
-
-#: Files that share a session fixture worth starting once (``demo_served``: three models).
-SHARED = {"test_api_breadth.py": "demo_served", "test_responses.py": "demo_served"}
-
-
-@pytest.hookimpl(tryfirst=True)  # (before xdist reads the groups)
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in FAST:
             item.add_marker(pytest.mark.fast)
-        elif item.path.name not in SPLIT:
-            item.add_marker(pytest.mark.xdist_group(SHARED.get(item.path.name,
-                                                               item.path.name)))
 
 
 def free_port() -> int:

@@ -223,11 +223,18 @@ class Supervisor(FleetMembership):
         try:
             while self._events:
                 ev = self._events.popleft()
-                effects = self.scheduler.handle(ev, time.monotonic())
+                try:
+                    effects = self.scheduler.handle(ev, time.monotonic())
+                except Exception:  # noqa: BLE001 - a bug there must not stall the events after
+                    log.exception("the scheduler failed on %s", ev)
+                    continue
                 if isinstance(ev, Added):
                     self._runtimes[ev.name].state = self.scheduler.models[ev.name]
                 for effect in effects:
-                    self._carry_out(effect)
+                    try:
+                        self._carry_out(effect)
+                    except Exception:  # noqa: BLE001 - the effects after it must happen
+                        log.exception("carrying out %s failed", effect)
         finally:
             self._dispatching = False
 
