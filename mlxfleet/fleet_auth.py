@@ -45,6 +45,13 @@ _NONCES = 200_000  # remembered within SKEW: a replay is refused
 CLIENT_AUTH: ContextVar[Optional[str]] = ContextVar("mlxfleet_client_auth", default=None)
 
 
+def hops_of(headers: Mapping[str, str]) -> int:
+    """How many nodes have forwarded a request that came from a node: one at least (a
+    missing or malformed count is taken as one, so it can go on once at most)."""
+    value = headers.get(HOPS_HEADER.lower()) or headers.get(HOPS_HEADER) or ""
+    return max(1, int(value)) if value.isdigit() and len(value) < 4 else 1
+
+
 class FleetAuthError(ValueError):
     """A request or answer that does not carry a valid fleet signature."""
 

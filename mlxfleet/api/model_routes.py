@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import httpx
 
-from ..fleet_auth import HOPS_HEADER, Signed
+from ..fleet_auth import HOPS_HEADER, Signed, hops_of
 from ..names import loggable
 from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
 from ..units import parse_duration
@@ -55,11 +55,6 @@ log = logging.getLogger("mlxfleet.gateway")
 #: Routes forwarded to the worker named by the body's ``model``.
 #: Content types relayed chunk by chunk (SSE, and Ollama's NDJSON).
 _STREAMING = ("text/event-stream", "application/x-ndjson")
-def _int(value: Optional[str]) -> int:
-    """A header's small count (0 when absent or not one)."""
-    return int(value) if value and value.isdigit() and len(value) < 4 else 0
-
-
 _FORWARD_HEADERS = ("content-type", "accept")  # X-Request-Id: the guard's, sanitized
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 #: What the last event of a complete stream carries, per protocol (OpenAI's [DONE],
@@ -197,9 +192,8 @@ class ModelRoutes:
         keep_alive = _keep_alive(body["keep_alive"]) if "keep_alive" in body else None
         fwd = {k: headers[k] for k in _FORWARD_HEADERS if k in headers}
         fwd["X-Request-Id"] = out.request_id
-        hops = 0
-        if sender is not None:  # (a request from a node has come one hop at least)
-            hops = max(1, _int(headers.get(HOPS_HEADER.lower())))
+        hops = hops_of(headers) if sender is not None else 0
+        if hops:
             fwd[HOPS_HEADER] = str(hops + 1)  # if it goes on (find allows that once)
         rt = self.sup.find(model, sender.sender if sender is not None else None, hops)
         scope = self._cache_scope(rt, body, headers, sender)

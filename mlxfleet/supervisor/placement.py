@@ -13,7 +13,7 @@ of them reach the same answer without a leader or a consensus store. The rules:
    the estimates already placed there), ties broken by name. Biggest models are
    placed first.
 4. A model no allowed node can take is unschedulable, with the reason.
-5. A resident model (preloaded or pinned: it holds its memory for as long as it is
+5. A resident model (preloaded, pinned or sharded: it holds its memory for as long as it is
    placed) goes only where it fits beside the residents placed there already, so a
    side of a partition, or a fleet short of memory, runs the residents it can hold
    and calls the rest unschedulable (they would evict each other in turn). Models
@@ -53,7 +53,7 @@ class ModelView:
     selector: Mapping[str, str] = field(default_factory=dict)
     ranks: tuple[str, ...] = ()  # distributed over exactly these nodes
     size: int = 1  # distributed over this many nodes, chosen here
-    resident: bool = False  # preloaded or pinned: loaded for as long as it is placed
+    resident: bool = False  # preloaded, pinned or sharded: loaded while it is placed
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, P
 
 def _no_room(m: ModelView, fits: list[NodeView], room: dict[str, Optional[int]]) -> str:
     left = ", ".join(f"{n.name} {fmt_bytes(max(room[n.name] or 0, 0))}" for n in fits)
-    return (f"needs {fmt_bytes(_share(m))} held resident (preload or pinned) on "
+    return (f"needs {fmt_bytes(_share(m))} held resident (preload, pinned or sharded) on "
             f"{len(m.ranks) or m.size} node(s); room left beside the other resident models: "
             f"{left}")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..files import private_dir
+from ..fleet_auth import MAX_HOPS
 from ..manifest import (
     FileResult,
     LoadedManifest,
@@ -307,8 +308,6 @@ class Supervisor(FleetMembership):
         When placements disagree (a node just came or went, a one-way partition) and this
         node sees another holding the model, the request goes on there, once, never back
         to its sender (no circles); otherwise it is refused with ``model_moved``."""
-        from ..fleet_auth import MAX_HOPS
-
         rt = self.resolve(model)
         if rt is None:
             # glob aliases too: "claude-*" tells a client what it may send
