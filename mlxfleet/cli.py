@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from .cli_fleet import add_fleet_commands, run_fleet
 from .cli_store import add_store_commands
 from .units import fmt_age, fmt_bytes
 
@@ -707,6 +708,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _add_server_commands(sub)
     _add_worker(sub)
     add_store_commands(sub)
+    add_fleet_commands(sub)
     sv = sub.add_parser("service", help="run the server at login or boot (launchd/systemd)",
                         description="Install mlxfleet serve as a launchd agent (macOS) or a "
                         "systemd user unit (Linux); --system: a LaunchDaemon / system unit "
@@ -741,7 +743,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "apply": _run_apply, "delete": _run_delete, "load": _run_load,
                 "unload": _run_unload, "validate": _run_validate, "bench": _run_bench,
                 "schema": _run_schema, "service": _run_service, "mcp": _run_mcp,
-                "launch": _run_launch, "pull": _run_pull, "rm": _run_rm}
+                "launch": _run_launch, "pull": _run_pull, "rm": _run_rm,
+                "fleet": run_fleet}
     return commands[args.command](args)
 
 

@@ -344,8 +344,8 @@ class Manifest(_Document):
 
 
 class NodeSpec(_Spec):
-    url: str = Field(min_length=1, description="where the node's gateway is reached by the "
-                     "other nodes, e.g. http://studio.local:8000")
+    url: str = Field(min_length=1, description="where the other nodes reach this one, e.g. "
+                     "https://studio.local:8443 (mutual TLS: `mlxfleet fleet init`)")
     memory: Optional[str] = Field(default=None, description="the most memory mlxfleet may "
                                   "use there (12GB, 70%); unset: the node's own budget")
     address: Optional[str] = Field(default=None, description="the host other nodes reach "
@@ -359,7 +359,7 @@ class NodeSpec(_Spec):
         u = urlsplit(v)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"{v!r} must be an http(s) URL with a host, e.g. "
-                             "http://studio.local:8000")
+                             "https://studio.local:8443")
         return v.rstrip("/")
 
     @field_validator("memory")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import Any, Optional
 
 import uvicorn
 
@@ -23,9 +24,10 @@ async def serve(settings: ServerSettings) -> None:
         raise SystemExit(f"error: refusing to serve on {settings.host} (not loopback) without "
                          "an API key: anyone who can reach the port would get a free LLM. "
                          "Set --api-key (or MLXFLEET_API_KEY), or pass --insecure.")
-    if settings.node:
-        _check_node(settings)
+    node_listener = _check_node(settings) if settings.node else None
     _check_port(settings.host, settings.port)
+    if node_listener is not None:
+        _check_port(*node_listener[:2])
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -41,6 +43,8 @@ async def serve(settings: ServerSettings) -> None:
         loop.add_signal_handler(signal.SIGHUP, hangup)
     mcp = _mcp_manager(settings)
     app = create_gateway(supervisor, mcp)
+    node_server: list[_Server] = []  # the TLS listener for the other nodes, once started
+    node_task: list[asyncio.Task] = []
 
     @app.before_serving
     async def _start():
@@ -49,10 +53,24 @@ async def serve(settings: ServerSettings) -> None:
         await supervisor.start()
         log.info("mlxfleet gateway on http://%s:%s, manifests in %s", settings.host,
                  settings.port, supervisor.manifests_dir)
+        if node_listener is not None:  # after the supervisor: the other nodes' requests
+            host, port, tls = node_listener  # need it
+            node_server.append(_Server(uvicorn.Config(
+                app, host=host, port=port, http=_head_timeout(settings.header_timeout),
+                lifespan="off", timeout_graceful_shutdown=settings.drain_timeout,
+                timeout_keep_alive=75, access_log=False, log_config=None,
+                server_header=False, ws="none", proxy_headers=False,
+                **tls.server_options())))
+            node_task.append(asyncio.create_task(node_server[0].serve()))
+            log.info("node %s: the fleet's nodes reach it on https://%s:%s (mutual TLS, "
+                     "fleet CA %s)", settings.node, host, port, tls.ca)
 
     @app.after_serving
     async def _stop():
         log.info("stopping: draining requests and workers")
+        if node_task:
+            node_server[0].should_exit = True
+            await node_task[0]
         await supervisor.stop()
         if mcp is not None:
             await mcp.stop()
@@ -67,7 +85,8 @@ async def serve(settings: ServerSettings) -> None:
         proxy_headers=False))  # the peer address is the client's, as before
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # ours says where we are
     watch = asyncio.create_task(stop.wait())
-    watch.add_done_callback(lambda _: setattr(server, "should_exit", True))
+    watch.add_done_callback(lambda _: [setattr(x, "should_exit", True)
+                                       for x in (server, *node_server)])
     await server.serve()
 
 
@@ -77,6 +96,8 @@ def _head_timeout(seconds: float) -> type:
     headers slowly (or never) held a connection forever (slowloris). Past the deadline
     it gets a 408 and the connection closes, as nginx's ``client_header_timeout`` does."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from .fleet_tls import SCOPE_NODE, peer_node
 
     class HeadTimeoutProtocol(HttpToolsProtocol):
         _head_timer = None
@@ -99,10 +120,15 @@ def _head_timeout(seconds: float) -> type:
 
         def connection_made(self, transport):  # type: ignore[override]
             super().connection_made(transport)
+            # On the node listener (mutual TLS): the node the client's certificate names,
+            # put in each request's scope for the guard (uvicorn does not pass it on)
+            tls = transport.get_extra_info("ssl_object")
+            self._node = peer_node(tls.getpeercert()) if tls is not None else None
             self._arm()
 
         def on_message_begin(self) -> None:  # the next request on a kept connection
             super().on_message_begin()
+            self.scope[SCOPE_NODE] = self._node  # type: ignore[literal-required]
             self._arm()
 
         def on_headers_complete(self) -> None:
@@ -147,17 +173,17 @@ def _mcp_manager(settings: ServerSettings):
     return MCPManager(servers, settings.mcp_call_timeout, settings.mcp_max_result_kb << 10)
 
 
-def _check_node(settings: ServerSettings) -> None:
-    """A node must be named by a Node manifest, and must not talk to other nodes in the
-    clear without a fleet key."""
+def _check_node(settings: ServerSettings) -> Optional[tuple[str, int, Any]]:
+    """A node must be named by a Node manifest, must not talk to other nodes in the
+    clear beyond loopback unless told to, and must not without a fleet key. Returns
+    where its TLS node listener binds (host, port, its ``FleetTLS``) when this machine
+    joined a fleet (``mlxfleet fleet init`` / ``join``), else None."""
+    from urllib.parse import urlsplit
+
     from .api.guard import is_loopback
+    from .fleet_tls import FleetTLS, FleetTLSError
     from .manifest import load_paths
 
-    if (settings.api_keys or not is_loopback(settings.host)) and not settings.fleet_key:
-        why = "binds beyond loopback" if not is_loopback(settings.host) else "has API keys"
-        raise SystemExit(f"error: node {settings.node} {why} but has no fleet key: other "
-                         "nodes could not be told apart from anyone who reaches the port. "
-                         "Set --fleet-key (or MLXFLEET_FLEET_KEY), the same on every node.")
     results = load_paths([settings.manifests_dir]) if settings.manifests_dir.is_dir() else []
     nodes = {n.name: n for r in results for n in r.nodes}
     if settings.node not in nodes:
@@ -165,6 +191,47 @@ def _check_node(settings: ServerSettings) -> None:
         raise SystemExit(f"error: no kind: Node manifest named {settings.node!r} in "
                          f"{settings.manifests_dir} (nodes there: {known}). Add one with "
                          "metadata.name and spec.url, or start without --node.")
+    try:
+        tls = FleetTLS.load(settings.fleet_folder, settings.node)
+    except (FleetTLSError, ValueError) as e:
+        raise SystemExit(f"error: the fleet folder {settings.fleet_folder}: {e}") from None
+    if tls is not None and not settings.fleet_key:
+        settings.fleet_key = tls.fleet_key()
+    if (settings.api_keys or not is_loopback(settings.host)) and not settings.fleet_key:
+        why = "binds beyond loopback" if not is_loopback(settings.host) else "has API keys"
+        raise SystemExit(f"error: node {settings.node} {why} but has no fleet key: other "
+                         "nodes could not be told apart from anyone who reaches the port. "
+                         "Make the fleet with `mlxfleet fleet init` (docs/fleet.md), or set "
+                         "--fleet-key (MLXFLEET_FLEET_KEY), the same on every node.")
+    urls = {name: urlsplit(n.spec.url) for name, n in nodes.items()}
+    plain = sorted(name for name, u in urls.items() if u.scheme == "http")
+    if tls is not None:
+        if plain:
+            raise SystemExit(f"error: this machine joined a fleet with TLS "
+                             f"({settings.fleet_folder}), so every Node url is https://; "
+                             f"these are not: {', '.join(plain)}")
+        u = urls[settings.node]
+        host = settings.node_bind or (u.hostname if _is_ip(u.hostname or "") else "0.0.0.0")
+        return host, u.port or 443, tls
+    clear = [name for name in plain if not is_loopback(urls[name].hostname or "")]
+    if clear and not settings.fleet_plain_http:
+        raise SystemExit(f"error: nodes {', '.join(clear)} are reached over plain http:// "
+                         "beyond loopback: prompts and answers would cross the network in "
+                         "clear. Make the fleet with TLS (`mlxfleet fleet init`, then "
+                         "`fleet join` on each node, and https:// urls: docs/fleet.md), or "
+                         "set fleet_plain_http (MLXFLEET_FLEET_PLAIN_HTTP=1) on a network "
+                         "you trust.")
+    return None
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _check_port(host: str, port: int) -> None:

@@ -91,6 +91,15 @@ class ServerSettings(BaseSettings):
                                 "manifest in the folder (unset: a single machine)")
     fleet_key: Optional[str] = Field(None, description="fleets: the key nodes send each other; "
                                      "required when a node binds beyond loopback")
+    fleet_dir: Optional[Path] = Field(None, description="fleets: the folder of the fleet's "
+                                      "TLS material and key (`mlxfleet fleet init`/`join` "
+                                      "write it); unset: STATE_DIR/fleet")
+    fleet_plain_http: bool = Field(False, description="fleets: allow Node urls in plain "
+                                   "http:// beyond loopback (prompts cross the network in "
+                                   "clear); off: such a fleet refuses to start")
+    node_bind: Optional[str] = Field(None, description="fleets: the address the TLS node "
+                                     "listener binds (its port is the https url's); unset: "
+                                     "the url's host when it is an IP address, else 0.0.0.0")
     fleet_grace: float = Field(15.0, gt=0, description="fleets: seconds a node may go "
                                "unanswered before its models move to other nodes")
     fleet_poll_interval: float = Field(2.0, gt=0, description="fleets: seconds between polls "
@@ -209,6 +218,11 @@ class ServerSettings(BaseSettings):
     def admin_keys(self) -> list[str]:
         """Keys allowed to change the fleet: the admin keys, else the API keys."""
         return comma_list(self.admin_key) or self.api_keys
+
+    @property
+    def fleet_folder(self) -> Path:
+        """Where the fleet's TLS material and key live (``fleet_tls``)."""
+        return Path(self.fleet_dir).expanduser() if self.fleet_dir else self.state_dir / "fleet"
 
     @property
     def keep_alive_seconds(self) -> float:

@@ -97,6 +97,22 @@ class Peer:
     url: str
     me: str = ""
     key: Optional[str] = None
+    tls: Any = None  # this node's FleetTLS, when the fleet has TLS between its nodes
+
+    def client(self, timeout: Any) -> Any:
+        """An ``httpx.Client`` for this peer: over TLS, the fleet CA only."""
+        import httpx
+
+        verify = self.tls.client_context() if self.tls is not None else True
+        return httpx.Client(verify=verify, timeout=timeout, follow_redirects=True)
+
+    @property
+    def extensions(self) -> dict[str, str]:
+        """Over TLS, the peer must show the certificate naming it (``fleet_tls``)."""
+        from .fleet_tls import node_dns
+
+        https = self.tls is not None and self.url.startswith("https:")
+        return {"sni_hostname": node_dns(self.name)} if https else {}
 
     def headers(self, url: str) -> dict[str, str]:
         from urllib.parse import urlsplit
@@ -249,7 +265,8 @@ def _peer_get(peer: Peer, source: str, revision: Optional[str]) -> Optional[dict
         {"source": source, **({"revision": revision} if revision else {})})
     sent = peer.headers(url)
     try:
-        r = httpx.get(url, headers=sent, timeout=10)
+        with peer.client(10) as client:
+            r = client.get(url, headers=sent, extensions=peer.extensions)
         if r.status_code != 200:
             return None
         data = r.json()
@@ -415,8 +432,11 @@ def _get_range(url: str, part: Path, start: int, f: RemoteFile, peer: Optional[P
     who = f"node {peer.name}" if peer is not None else "the hub"
     sent = time.monotonic()
     try:
-        with httpx.stream("GET", url, headers=h, follow_redirects=True,
-                          timeout=httpx.Timeout(limits.idle_timeout, connect=10)) as r:
+        timeout = httpx.Timeout(limits.idle_timeout, connect=10)
+        client = peer.client(timeout) if peer is not None else \
+            httpx.Client(timeout=timeout, follow_redirects=True)
+        with client, client.stream("GET", url, headers=h, extensions=peer.extensions
+                                   if peer is not None else {}) as r:
             if r.status_code == 200 and start:  # the server ignored the range: restart
                 start = 0
             elif r.status_code not in (200, 206):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from quart import Quart, request
 
 from .. import __version__
+from ..fleet_tls import JOIN_ROUTE, FleetTLSError, answer_join
 from ..names import loggable
 from ..units import parse_duration
 from ..wire import APIError, streaming_response
@@ -56,6 +57,26 @@ def register_control(app: Quart, supervisor: Supervisor) -> None:
             raise APIError(404, "This server is not a node of a fleet (start it with --node).",
                            type="not_found_error", code="not_a_node")
         return supervisor.node_report()
+
+    @app.post(JOIN_ROUTE)
+    async def join():
+        """A new node joins the fleet with a token (``fleet_tls``): answered by the node
+        holding the fleet CA, checked by the token's MAC, not by an API key."""
+        if supervisor.fleet is None:
+            raise APIError(404, "This server is not a node of a fleet (start it with --node).",
+                           type="not_found_error", code="not_a_node")
+        body = await request.get_json(force=True, silent=True)
+        try:
+            answer = await asyncio.to_thread(answer_join, supervisor.settings.fleet_folder,
+                                             body)
+        except FleetTLSError as e:
+            log.warning("a join request from %s refused: %s", request.remote_addr, e)
+            raise APIError(e.status, f"Join refused: {e}", type="authentication_error"
+                           if e.status == 401 else "invalid_request_error",
+                           code="join_refused") from None
+        log.warning("node %s joined the fleet from %s (token %s)", loggable(body["node"]),
+                    request.remote_addr, loggable(body["token"]))
+        return answer
 
     @app.get(f"{base}/nodes")
     async def nodes():

@@ -46,7 +46,8 @@ async def _from_node(supervisor: Supervisor, node: str, method: str, rid: str, o
         return None
     try:
         req = fleet.sign(fleet.client.build_request(
-            method, f"{url}/v1/responses/{rid}", timeout=10, headers={OWNER_HEADER: owner}))
+            method, f"{url}/v1/responses/{rid}", timeout=10, headers={OWNER_HEADER: owner}),
+            node)
         r = await fleet.client.send(req)
     except httpx.HTTPError:
         return None
@@ -73,7 +74,8 @@ def create_gateway(supervisor: Supervisor, mcp: Any = None) -> Quart:
     guard = Guard(settings.api_keys, settings.rate_limit, settings.admin_keys,
                   settings.fleet_key, fleet=bool(settings.node),
                   hosts=allowed_hosts(settings.host, settings.host_names),
-                  more_hosts=node_hosts, origins=settings.origin_list)
+                  more_hosts=node_hosts, origins=settings.origin_list,
+                  node_tls=supervisor.fleet is not None and supervisor.fleet.tls is not None)
     install_guard(app, guard)
     metrics = Metrics(supervisor)
     store = ResponseStore(Path(settings.state_dir).expanduser() / "responses.sqlite3",

@@ -21,6 +21,7 @@ from ..fleet_auth import (
     Verifier,
     sign_answer,
 )
+from ..fleet_tls import JOIN_ROUTE, SCOPE_NODE
 from ..wire import APIError
 
 #: Routes anyone may call: liveness for load balancers; /metrics is opt-in and documented
@@ -139,8 +140,11 @@ class Guard:
                  admin_keys: Optional[list[str]] = None, fleet_key: Optional[str] = None,
                  fleet: bool = False, hosts: Optional[frozenset[str]] = None,
                  more_hosts: Callable[[], Iterable[str]] = tuple,
-                 origins: Iterable[str] = ()):
+                 origins: Iterable[str] = (), node_tls: bool = False):
         self.api_keys, self.fleet_key, self.fleet = api_keys, fleet_key, fleet
+        # this node joined a fleet with TLS: nodes reach it on the node listener only,
+        # with a certificate of the fleet CA that names the node that signed the request
+        self.node_tls = node_tls
         self.verifier = Verifier(fleet_key) if fleet_key else None
         self.hosts, self.more_hosts = hosts, more_hosts
         self.origins = [o.rstrip("/").lower() for o in origins]
@@ -149,10 +153,12 @@ class Guard:
         self.any_key = api_keys + [k for k in self.admin_keys if k not in api_keys]
 
     def check(self, path: str, method: str, headers: Mapping[str, str],
-              remote_addr: str, target: str = "") -> Optional[Signed]:
+              remote_addr: str, target: str = "", node_cert: Optional[str] = None
+              ) -> Optional[Signed]:
         """Raise the APIError that refuses this request, if any. Returns who sent it
         when another node of the fleet did (``target``: the path and query as sent,
-        which its signature covers), else None."""
+        which its signature covers; ``node_cert``: the node named by the client's
+        certificate, on the TLS node listener), else None."""
         if path in OPEN_ROUTES:
             return None  # liveness and metrics
         self._check_host(headers)
@@ -161,8 +167,13 @@ class Guard:
         if method in _WRITES:
             self._check_origin(headers, path.startswith(CONTROL_PREFIX)
                                or path in STORE_WRITES)
+        if path == JOIN_ROUTE and self.fleet and node_cert is None:
+            self._limit(f"addr:{remote_addr}")  # the join token is its credential
+            return None
         sender = self._from_node(headers, remote_addr, method, target or path) \
             if self.fleet else None
+        if self.node_tls or node_cert is not None:
+            self._check_node_tls(sender, node_cert)
         if sender is not None and self.fleet_key:
             # another node, proven by the key: it admitted the client already, and may
             # forward and poll; changing models still takes an admin key (its client's)
@@ -193,19 +204,41 @@ class Guard:
         # and the CLI poll, from memory) do not. Without a fleet key anyone on this
         # machine can claim to be a node: such a request is still only forwarded once,
         # but it is rate limited like any other.
-        if self.limiter and (method in _WRITES or not path.startswith(CONTROL_PREFIX)):
-            client = f"key:{key}" if key and self.api_keys else f"addr:{remote_addr}"
-            wait = self.limiter.check(client)
-            if wait is not None:
-                raise APIError(429, f"Rate limit of {self.limiter.per_minute} requests per "
-                               "minute exceeded; retry later.", type="rate_limit_error",
-                               code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+        if method in _WRITES or not path.startswith(CONTROL_PREFIX):
+            self._limit(f"key:{key}" if key and self.api_keys else f"addr:{remote_addr}")
         if path.startswith(CONTROL_PREFIX) and method in _WRITES:
             self._control_write(key, remote_addr)
             self._check_content_type(headers)
         elif path in STORE_WRITES:
             self._control_write(key, remote_addr)
         return sender
+
+    def _limit(self, client: str) -> None:
+        if self.limiter is None:
+            return
+        wait = self.limiter.check(client)
+        if wait is not None:
+            raise APIError(429, f"Rate limit of {self.limiter.per_minute} requests per "
+                           "minute exceeded; retry later.", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+
+    def _check_node_tls(self, sender: Optional[Signed], node_cert: Optional[str]) -> None:
+        """In a fleet with TLS: requests of nodes come over the node listener, signed by
+        the node their certificate names; that listener answers nothing else."""
+        if node_cert is not None and sender is None:
+            raise APIError(401, "This port answers the nodes of the fleet only (signed "
+                           "requests); clients use the gateway's port.",
+                           type="authentication_error", code="invalid_fleet_key")
+        if sender is None:
+            return
+        if node_cert is None:
+            raise APIError(401, "In this fleet, nodes reach each other over TLS on the node "
+                           "port (the https url of their Node manifest), not this one.",
+                           type="authentication_error", code="fleet_tls_required")
+        if sender.sender != node_cert:
+            raise APIError(401, f"The request says it comes from node {sender.sender!r}, but "
+                           f"its TLS certificate names node {node_cert!r}.",
+                           type="authentication_error", code="invalid_fleet_key")
 
     def may_unload(self, headers: Mapping[str, str], sender: Optional[Signed]) -> bool:
         """Whether this request may shorten a model's keep-alive or unload it: anyone
@@ -300,7 +333,8 @@ def install_guard(app: Quart, guard: Guard) -> None:
         key = presented_key(request.headers)
         CLIENT_AUTH.set(f"Bearer {key}" if key else None)  # (passed on to another node)
         sender = guard.check(request.path, request.method, request.headers,
-                             request.remote_addr or "", target_of(request.scope))
+                             request.remote_addr or "", target_of(request.scope),
+                             request.scope.get(SCOPE_NODE))
         if sender is not None:
             if guard.verifier is not None and not sender.body_ok(await request.get_data()):
                 raise APIError(401, "The body does not match its fleet signature.",

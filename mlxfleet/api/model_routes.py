@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 import httpx
 
 from ..fleet_auth import HOPS_HEADER, Signed, hops_of
+from ..fleet_tls import SCOPE_NODE
 from ..names import loggable
 from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
 from ..units import parse_duration
@@ -94,7 +95,7 @@ class ModelRoutes:
         try:
             client = scope.get("client")
             sender = self.guard.check(path, "POST", headers, client[0] if client else "",
-                                      target_of(scope))
+                                      target_of(scope), scope.get(SCOPE_NODE))
             raw = await self._body(receive, headers, held)
             if sender is not None and self.guard.verifier is not None \
                     and not sender.body_ok(raw):

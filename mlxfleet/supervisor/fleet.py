@@ -26,6 +26,7 @@ from typing import Any, Optional
 import httpx
 
 from ..fleet_auth import AUTH_HEADER, FORWARDED_HEADER, answer_ok, sign
+from ..fleet_tls import FleetTLS, node_dns
 from ..manifest import LoadedManifest, NodeManifest
 from ..units import fmt_bytes
 from .placement import ModelView, NodeView, Placement, place
@@ -79,11 +80,22 @@ class Fleet:
         self._estimates: dict[tuple[str, Optional[str]], int] = {}
         self._doubted: dict[tuple[str, str], int] = {}  # (node, model) -> a report not believed
         self._client: Optional[httpx.AsyncClient] = None
+        self._retired: list[httpx.AsyncClient] = []  # closed with this one
+        # this machine's certificate and the fleet CA, when it joined a fleet with TLS
+        folder = getattr(settings, "fleet_folder", None)
+        self.tls: Optional[FleetTLS] = FleetTLS.load(folder, me) if folder else None
         self.polled = False  # the other nodes were asked once (before the first placement)
 
     # ---- membership --------------------------------------------------------
 
     def set_nodes(self, nodes: list[NodeManifest]) -> None:
+        moved = any(n.name in self.nodes and n.spec.url != self.nodes[n.name].spec.url
+                    for n in nodes)
+        if moved and self._client is not None:
+            # a kept connection was checked (TLS) as the node its url named then: a node
+            # given another's old url must not inherit it
+            self._retired.append(self._client)
+            self._client = None
         self.nodes = {n.name: n for n in nodes}
         for name in list(self.peers):
             if name not in self.nodes or name == self.me:
@@ -203,10 +215,13 @@ class Fleet:
             return sign(self.key, self.me, method, target, body)
         return {FORWARDED_HEADER: self.me}  # no key: loopback fleets only (the guard)
 
-    def sign(self, req: httpx.Request) -> httpx.Request:
-        """``req`` (built, with its body) signed as this node's."""
+    def sign(self, req: httpx.Request, node: str) -> httpx.Request:
+        """``req`` to ``node`` (built, with its body) signed as this node's; over TLS, the
+        server must show the certificate of ``node`` (not just any node's)."""
         req.headers.update(self.headers(req.method, req.url.raw_path.decode("ascii"),
                                         req.content))
+        if self.tls is not None and req.url.scheme == "https":
+            req.extensions["sni_hostname"] = node_dns(node)
         return req
 
     def answer_ok(self, req: httpx.Request, status: int, body: bytes,
@@ -219,7 +234,8 @@ class Fleet:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self.transport = httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(max_keepalive_connections=32))
+                limits=httpx.Limits(max_keepalive_connections=32),
+                verify=self.tls.client_context() if self.tls is not None else True)
             self._client = httpx.AsyncClient(transport=self.transport,
                                              timeout=httpx.Timeout(None, connect=5.0))
         return self._client
@@ -231,7 +247,7 @@ class Fleet:
     async def _poll(self, p: Peer, timeout: float) -> None:
         try:
             req = self.sign(self.client.build_request(
-                "GET", p.manifest.spec.url + NODE_PATH, timeout=timeout))
+                "GET", p.manifest.spec.url + NODE_PATH, timeout=timeout), p.name)
             r = await self.client.send(req)
             if r.status_code == 401 and "invalid_fleet_key" in r.text:
                 self._rejected_by(p, r.text)
@@ -271,8 +287,9 @@ class Fleet:
                       "MLXFLEET_FLEET_KEY)")
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        for c in (*self._retired, self._client):
+            if c is not None:
+                await c.aclose()
 
 
 def capacity(node: NodeManifest, report: dict) -> Optional[int]:

@@ -95,7 +95,7 @@ class RemoteWorker(InflightCounter):
         url = self.fleet.url(self.node)
         client = self.fleet.client
         req = self.fleet.sign(client.build_request(method, url + path, content=body,
-                                                   headers=headers))
+                                                   headers=headers), self.node)
         try:  # straight to the pooled transport, as WorkerProcess.forward does
             resp = await self.watched(self.fleet.transport.handle_async_request(req))
         except httpx.ConnectError as e:
@@ -269,7 +269,7 @@ class RemoteModel(ServedModel):
         req = fleet.sign(fleet.client.build_request(
             method, f"{fleet.url(self.node)}/mlxfleet/v1/models/{self.name}/{what}",
             params=params, timeout=httpx.Timeout(timeout, connect=5),
-            headers={"Authorization": auth} if auth else {}))
+            headers={"Authorization": auth} if auth else {}), self.node)
         try:
             r = await fleet.client.send(req, stream=True)
         except httpx.HTTPError as e:

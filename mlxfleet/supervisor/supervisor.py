@@ -481,7 +481,7 @@ class Supervisor(FleetMembership):
         f = self.fleet
         if f is None:
             return ()
-        return tuple(Peer(n, f.url(n), f.me, f.key) for n in sorted(f.peers)
+        return tuple(Peer(n, f.url(n), f.me, f.key, f.tls) for n in sorted(f.peers)
                      if f.healthy(n) and f.url(n))
 
     async def _fetch(self, rt: ModelRuntime) -> None:
