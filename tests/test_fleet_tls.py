@@ -14,11 +14,14 @@ import sys
 from pathlib import Path
 
 import httpx
+import ollama
 import pytest
 import yaml
+from hub import Hub, Repo
 from served import Served, free_port, manifest, wait_for
 
 from mlxfleet import fleet_auth, fleet_tls
+from mlxfleet.builtin import ensure_builtin
 
 ENV = {"MLXFLEET_FLEET_GRACE": "6", "MLXFLEET_FLEET_POLL_INTERVAL": "0.5"}
 
@@ -35,8 +38,18 @@ def node_doc(name: str, url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    ns = Served.nodes(tmp_path_factory.mktemp("tls"), "ab", ENV)
+def hub():
+    h = Hub({"acme/tiny": Repo.from_dir(ensure_builtin("tiny"))})
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, hub):
+    root = tmp_path_factory.mktemp("tls")
+    ns = Served.nodes(root, "ab", ENV)
+    for n, f in ns.items():
+        f.env.update(hub.env(root / f"hf-{n}"))  # each node its own cache
     ports = {n: free_port() for n in ns}
     urls = {n: f"https://127.0.0.1:{p}" for n, p in ports.items()}
     ns["a"].write("nodes.yaml", "---\n".join(node_doc(n, urls[n]) for n in ns))
@@ -87,6 +100,15 @@ def test_nodes_that_joined_serve_each_others_models_over_mutual_tls(fleet):
         assert (folder(b) / f).stat().st_mode & 0o077 == 0, f
     assert not (folder(b) / "ca.key").exists()  # the CA key never left node a
     assert "joined the fleet" in a.logs()
+
+
+def test_weights_are_copied_between_nodes_over_tls(fleet, hub):
+    ns = fleet[0]
+    assert ollama.Client(host=ns["a"].url).pull("acme/tiny", stream=False).status == "success"
+    statuses = [e.status for e in ollama.Client(host=ns["b"].url).pull("acme/tiny",
+                                                                        stream=True)]
+    assert "pulling from node a" in statuses and statuses[-1] == "success", statuses
+    assert sum(1 for m, p, _ in hub.log if m == "GET" and p.endswith(".safetensors")) == 1
 
 
 def signed(node: str, key: str, path: str) -> dict:
