@@ -146,3 +146,32 @@ def test_one_nodes_absurd_estimate_is_not_believed_and_said_so(caplog):
     assert f.estimate(lm, 2 * GB, 16 * GB) == 20 * GB
     f.peers["b"].report = {"estimates": {"m": "lots"}}  # not a number: ignored
     assert f.estimate(lm, 2 * GB, 16 * GB) == 20 * GB
+
+
+def test_a_node_that_cannot_reach_a_models_node_asks_one_that_can():
+    """A one-way partition (a cannot see c, b sees both): a finds, from the others'
+    reports, a node that reaches the node holding the model, and sends the request
+    there; never a node that does not answer, nor one whose holder is a itself."""
+    from types import SimpleNamespace
+
+    from mlxfleet.manifest import NodeManifest
+    from mlxfleet.supervisor.fleet import Fleet
+
+    def node(name: str) -> NodeManifest:
+        return NodeManifest.model_validate({
+            "apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": name},
+            "spec": {"url": f"http://{name}:8000"}})
+
+    f = Fleet("a", SimpleNamespace(fleet_key=None, fleet_grace=15))
+    f.set_nodes([node("a"), node("b"), node("c"), node("d")])
+    for n in "bcd":
+        f.peers[n].last_ok = 1e12  # answered (and recently: far in the future)
+    f.peers["c"].failures = 3  # a cannot reach c
+    f.peers["b"].report = {"placement": {"m": ["c"], "own": ["a"]}, "sees": ["a", "b", "c"]}
+    f.peers["d"].report = {"placement": {"m": ["c"]}, "sees": ["a", "d"]}  # d cannot either
+    assert f.relay_for("m") == "b"
+    assert f.relay_for("own") is None  # b places it on a: nothing to ask
+    assert f.relay_for("nowhere") is None
+    f.peers["b"].failures = 1  # b stopped answering too: no one to ask
+    assert f.relay_for("m") is None
+    assert f.answering() == ["a", "d"]

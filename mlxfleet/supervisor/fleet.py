@@ -147,6 +147,27 @@ class Fleet:
             return NodeState.LOST
         return NodeState.NOT_READY if p.last_ok is not None else NodeState.UNKNOWN
 
+    def answering(self) -> list[str]:
+        """The nodes this one reaches now (itself included): part of its report, so that
+        a node that cannot reach a model's node finds one that can (``relay_for``)."""
+        return sorted([self.me] + [n for n, p in self.peers.items()
+                                   if p.failures == 0 and p.last_ok is not None
+                                   and not p.rejects])
+
+    def relay_for(self, model: str) -> Optional[str]:
+        """A node that answers this one and, by its last report, reaches a node it places
+        ``model`` on (not this one): where a request goes when this node cannot reach
+        the model's node itself (a one-way partition: a cannot see c, b sees both; or
+        views that disagree). None when there is no such node."""
+        for name, p in sorted(self.peers.items()):
+            if p.failures or p.last_ok is None or p.rejects or not p.report:
+                continue
+            placed = (p.report.get("placement") or {}).get(model) or []
+            holder = placed[0] if placed and isinstance(placed, list) else None
+            if holder and holder != self.me and holder in (p.report.get("sees") or ()):
+                return name
+        return None
+
     # ---- placement ---------------------------------------------------------
 
     def estimate(self, lm: LoadedManifest, local_bytes: Optional[int],

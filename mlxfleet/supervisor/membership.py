@@ -152,6 +152,7 @@ class FleetMembership:
             "estimates": self._estimates,
             "placement": {n: list(p.nodes) for n, p in sorted(fleet.placements.items())}
             if fleet else {},
+            "sees": fleet.answering() if fleet else [],
             "health": "ok",
         }
 

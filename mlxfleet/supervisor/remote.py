@@ -208,6 +208,14 @@ class RemoteModel(ServedModel):
         ka = self.reported().get("keepAlive")
         return float("inf") if ka == "forever" else float(ka or 0)
 
+    def unreachable(self) -> bool:
+        """No node serves it, or its node went silent for this one."""
+        return self.node is None or bool(self.worker is not None and self.worker.silent())
+
+    def via(self, node: str) -> RemoteModel:
+        """This model, reached through ``node`` (which reaches its node) for one request."""
+        return RemoteModel(self.manifest, self.file, Placement((node,)), self.fleet)
+
     def check(self) -> None:
         """Raise the 503 a request for this model gets when no node can serve it, or
         when its node went silent (at once, rather than waiting on it)."""

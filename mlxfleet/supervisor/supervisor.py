@@ -33,6 +33,7 @@ from .admission import AdmissionError, ServedModel
 from .handle import WorkerHandle
 from .membership import FleetMembership
 from .reconcile import Action, plan
+from .remote import RemoteModel
 from .runtime import ModelRuntime
 from .scheduler import (
     Added,
@@ -323,6 +324,15 @@ class Supervisor(FleetMembership):
                                  f"'{self.node_name}' that this request was forwarded to; "
                                  "the nodes are updating their placement, retry shortly.",
                                  "model_moved", retry_after=1)
+        if forwarded_by is None and isinstance(rt, RemoteModel) and rt.unreachable():
+            # this node cannot reach the model's node (or places it nowhere) but another
+            # node reaches one holding it: ask, don't refuse (that node forwards it on,
+            # the last hop a request may take)
+            via = self.fleet.relay_for(rt.name) if self.fleet is not None else None
+            if via is not None:
+                log.info("%s: node %s cannot be reached from here; through node %s",
+                         rt.name, rt.node or "(none)", via)
+                return rt.via(via)
         return rt
 
     # ---- routing ---------------------------------------------------------
