@@ -55,7 +55,7 @@ def fleet(tmp_path_factory, hub):
     ns["a"].write("nodes.yaml", "---\n".join(node_doc(n, urls[n]) for n in ns))
     ns["a"].write("models.yaml", "---\n".join([
         manifest("on-b", placement={"nodes": ["b"]}),
-        manifest("on-a", placement={"nodes": ["a"]})]))
+        manifest("on-a", placement={"nodes": ["a"]}), manifest("free")]))
     made = cli("fleet", "init", "a", "--state-dir", str(ns["a"].state))
     assert made.returncode == 0, made.stderr
     token = re.search(r"--token (\S+)", made.stdout).group(1)
@@ -72,6 +72,9 @@ def fleet(tmp_path_factory, hub):
         assert n.proc.returncode == 0 and "Traceback" not in n.logs(), n.logs()
 
 
+PLACED = {"on-b": "b", "on-a": "a", "free": "a"}
+
+
 def folder(node: Served) -> Path:
     return node.state / "fleet"
 
@@ -85,7 +88,7 @@ def test_nodes_that_joined_serve_each_others_models_over_mutual_tls(fleet):
     ns, urls, _, _ = fleet
     a, b = ns["a"], ns["b"]
     for n in (a, b):
-        assert wait_for(lambda n=n: where(n) == {"on-b": "b", "on-a": "a"}, 40), \
+        assert wait_for(lambda n=n: where(n) == PLACED, 40), \
             (where(n), n.logs())
     # asked on a, served by b's worker, forwarded over TLS; and the other way round
     assert a.wait_ready("on-b", timeout=120)["node"] == "b"
@@ -181,3 +184,35 @@ def test_a_fleet_in_plain_http_beyond_loopback_refuses_to_start(tmp_path):
     r = cli("serve", "--manifests", str(d), "--node", "x", "--port", str(free_port()),
             "--state-dir", str(tmp_path / "s"))
     assert r.returncode != 0 and "every Node url is https://" in r.stderr, r.stderr
+
+
+def test_a_node_of_another_fleet_says_so_and_takes_no_model(fleet, tmp_path):
+    """A node whose certificate is of another CA (it ran its own `fleet init`) is refused
+    by every node's TLS, both ways: it says so and takes none of the fleet's models
+    (with the most memory, it would have taken the unpinned one); the others see it
+    refuse them, and their placement does not change."""
+    ns, _, _, _ = fleet
+    a = ns["a"]
+    d = Served(tmp_path / "d", ENV, manifests=a.dir, args=("--node", "d"))
+    fleet_tls.init(d.state / "fleet", "d")
+    d.write("node-d.yaml", yaml.safe_dump({
+        "apiVersion": "mlxfleet/v1", "kind": "Node", "metadata": {"name": "d"},
+        "spec": {"url": f"https://127.0.0.1:{free_port()}", "memory": "64GB"}}))
+    try:
+        d.start()
+
+        def seen_by(node: Served) -> dict:
+            rows = httpx.get(node.url + "/mlxfleet/v1/nodes", timeout=10).json()["items"]
+            return {r["name"]: r for r in rows}
+
+        assert wait_for(lambda: seen_by(d)["d"]["status"] == "Rejected", 20), \
+            (seen_by(d), d.logs())
+        assert "certificate" in seen_by(d)["a"]["error"], seen_by(d)["a"]
+        assert "every other node of the fleet refuses this node's certificate" in d.logs()
+        assert not seen_by(d)["d"]["models"]
+        assert wait_for(lambda: seen_by(a)["d"]["status"] == "RejectsOurKey", 20), seen_by(a)
+        assert "certificate" in seen_by(a)["d"]["error"]
+        assert where(a) == PLACED
+    finally:
+        d.stop()
+        (a.dir / "node-d.yaml").unlink()

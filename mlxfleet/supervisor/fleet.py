@@ -271,7 +271,8 @@ class Fleet:
                 "GET", p.manifest.spec.url + NODE_PATH, timeout=timeout), p.name)
             r = await self.client.send(req)
             if r.status_code == 401 and "invalid_fleet_key" in r.text:
-                self._rejected_by(p, r.text)
+                self._rejected_by(p, "fleet key", "it refuses this node's fleet key (401 "
+                                  "invalid_fleet_key)")
                 return
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -283,6 +284,10 @@ class Fleet:
                 raise ValueError(f"{p.manifest.spec.url} answers as node "
                                  f"{rep.get('name')!r}, not {p.name!r}")
         except (httpx.HTTPError, ValueError) as e:
+            why = tls_refusal(e)
+            if why:  # it answers, but one of the two certificates is not of this fleet
+                self._rejected_by(p, "certificate", why)
+                return
             if p.failures == 0:
                 log.warning("node %s (%s) does not answer: %s", p.name, p.manifest.spec.url,
                             e or type(e).__name__)
@@ -294,23 +299,46 @@ class Fleet:
         p.report, p.last_ok, p.failures, p.error = rep, time.monotonic(), 0, None
         p.rejects = False
 
-    def _rejected_by(self, p: Peer, body: str) -> None:
-        """``p`` answered, refusing this node's signature: a fleet key that differs."""
+    def _rejected_by(self, p: Peer, what: str, why: str) -> None:
+        """``p`` answered, but refuses this node's ``what`` (its fleet key, its
+        certificate) or shows a certificate that is not of this fleet: they are not of
+        one fleet, and a node that every other refuses takes none of its models."""
         was = self.rejected
         if not p.rejects:
-            log.error("node %s (%s) refuses this node's fleet key (401 invalid_fleet_key): "
-                      "check MLXFLEET_FLEET_KEY on both", p.name, p.manifest.spec.url)
+            hint = "check MLXFLEET_FLEET_KEY on both" if what == "fleet key" else \
+                "both must have joined the same fleet (mlxfleet fleet show, fleet join)"
+            log.error("node %s (%s): %s; %s", p.name, p.manifest.spec.url, why, hint)
         p.rejects, p.failures = True, p.failures + 1
-        p.error = "it refuses this node's fleet key (401 invalid_fleet_key)"
+        p.error = why
         if self.rejected and not was:
-            log.error("every other node of the fleet refuses this node's fleet key: this "
-                      "node takes none of the fleet's models until the keys match (check "
-                      "MLXFLEET_FLEET_KEY)")
+            log.error("every other node of the fleet refuses this node's %s: this node "
+                      "takes none of the fleet's models until it is one of theirs (%s)", what,
+                      "check MLXFLEET_FLEET_KEY" if what == "fleet key" else
+                      "mlxfleet fleet join, with a token of the fleet's first node")
 
     async def close(self) -> None:
         for c in (*self._retired, self._client):
             if c is not None:
                 await c.aclose()
+
+
+def tls_refusal(e: BaseException) -> Optional[str]:
+    """Why a node's TLS handshake failed when it is a matter of trust (the other's
+    certificate is not of this fleet's CA or names another node; it refuses this one's),
+    not of reaching it; None otherwise."""
+    import ssl
+
+    seen: set[int] = set()
+    err: Optional[BaseException] = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLCertVerificationError):
+            return ("its TLS certificate is not of this fleet's CA, or names another node "
+                    f"({err.verify_message})")
+        if isinstance(err, ssl.SSLError) and "ALERT" in str(err.reason or ""):
+            return f"it refuses this node's TLS certificate ({err.reason})"
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def capacity(node: NodeManifest, report: dict) -> Optional[int]:
