@@ -399,11 +399,17 @@ def _run_get(args) -> int:
         rows[0] += ["NODE", "PID", "EST. MEMORY", "KEEP-ALIVE", "LAST USED", "EXPIRES",
                     "ALIASES"]
     for m in data["items"]:
-        row = [m["name"], m["source"], m["phase"], "1/1" if m["ready"] else "0/1",
+        reps = m.get("replicas")  # a replicated model: its copies, ready of asked for
+        ready = f"{reps['ready']}/{reps['desired']}" if reps else \
+            ("1/1" if m["ready"] else "0/1")
+        phase = "Degraded" if reps and reps["reason"] and reps["ready"] else m["phase"]
+        row = [m["name"], m["source"], phase, ready,
                str(m["restarts"]), fmt_bytes(m["memoryBytes"]), fmt_age(m["ageSeconds"])]
         if args.output == "wide":
             ka = m["keepAlive"]
-            row += [m.get("node") or ("-" if m["phase"] == "Unschedulable" else "local"),
+            where = ",".join(f"{i['node']}:{i['phase']}" for i in reps["items"]) if reps \
+                else m.get("node") or ("-" if m["phase"] == "Unschedulable" else "local")
+            row += [where,
                     str(m["pid"] or "-"), fmt_bytes(m["memory"]["footprintBytes"]),
                     ka if isinstance(ka, str) else f"{ka:g}s", m["lastUsed"] or "-",
                     m["expiresAt"] or "-", ",".join(m["aliases"]) or "-"]

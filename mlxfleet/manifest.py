@@ -247,6 +247,24 @@ class DistributedSpec(_Spec):
         return self
 
 
+class ReplicasSpec(_Spec):
+    """Copies of the model on distinct nodes of a fleet, scaled by load between ``min``
+    and ``max`` (``min: 0``: none while idle, one loaded on demand)."""
+
+    min: int = Field(default=1, ge=0, le=64, description="replicas kept at least (0: "
+                     "scale to zero when idle)")
+    max: int = Field(default=1, ge=1, le=64, description="replicas at most")
+    target_wait: Optional[Duration] = Field(
+        default=None, description="add a replica while requests wait longer than this for "
+        "their first token on a copy (the median of the last minute); default 2s")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be at least min ({self.min})")
+        return self
+
+
 class ModelSpec(_Spec):
     source: str = Field(min_length=1, description="HF repo id, local path, or builtin:NAME")
     task: Literal["generate", "embedding", "vision"] = Field(
@@ -277,13 +295,33 @@ class ModelSpec(_Spec):
                                      "the nodes that may run the model")
     distributed: Optional[DistributedSpec] = Field(default=None, description="fleets: run "
                                                    "the model sharded over several nodes")
+    replicas: Union[int, ReplicasSpec] = Field(
+        default=1, description="fleets: copies of the model on distinct nodes, each serving "
+        "alone; requests go to the copy holding their conversation's prefix. A number, or "
+        "{min, max} to scale by load")
 
     @model_validator(mode="after")
     def _sharded(self):
         if self.distributed is not None and self.task != "generate":
             raise ValueError("only text generation models can be sharded (spec.distributed "
                              f"with task {self.task})")
+        if self.distributed is not None and self.replica_range != (1, 1):
+            raise ValueError("a sharded model (spec.distributed) has one copy: replicas "
+                             "must be 1")
         return self
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas(cls, v):
+        if isinstance(v, int) and not 1 <= v <= 64:
+            raise ValueError("replicas is a number from 1 to 64, or {min, max}")
+        return v
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """(fewest, most) replicas: (n, n) for a number."""
+        r = self.replicas
+        return (r, r) if isinstance(r, int) else (r.min, r.max)
 
     @field_validator("aliases")
     @classmethod
@@ -329,15 +367,16 @@ class Manifest(_Document):
     @functools.cached_property
     def _hash(self) -> str:
         s = self.spec.model_dump(exclude={"aliases", "keep_alive", "preload", "pinned",
-                                          "priority", "placement", "client_keep_alive"})
+                                          "priority", "placement", "client_keep_alive",
+                                          "replicas"})
         return hashlib.sha256(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def worker_hash(self) -> str:
         """Hash of the fields a running worker depends on: a change means a new worker.
 
-        Aliases, labels, keepAlive, clientKeepAlive, preload, pinned and placement are the
-        gateway's and the scheduler's business and change without a restart (a new
-        placement moves the model, which is a stop here and a start there). Computed once
+        Aliases, labels, keepAlive, clientKeepAlive, preload, pinned, placement and replicas
+        are the gateway's and the scheduler's business and change without a restart (a
+        new placement moves the model, which is a stop here and a start there). Computed once
         (where the file is parsed, off the event loop).
         """
         return self._hash

@@ -41,6 +41,7 @@ from ..wire import (
     parse_json_body,
     stream_error,
 )
+from .affinity import AFFINITY_HEADER, affinity_key
 from .guard import Guard, request_id, target_of
 from .mcp import respond_with_mcp
 from .metrics import SCOPE_KEY, Metrics
@@ -196,7 +197,18 @@ class ModelRoutes:
         hops = hops_of(headers) if sender is not None else 0
         if hops:
             fwd[HOPS_HEADER] = str(hops + 1)  # if it goes on (find allows that once)
-        rt = self.sup.find(model, sender.sender if sender is not None else None, hops)
+        key: list[str] = []  # the affinity key, worked out if the model is replicated
+
+        def affinity() -> str:
+            if not key:  # the routing node's, when it forwarded the request here
+                given = headers.get(AFFINITY_HEADER) if sender is not None else None
+                key.append(given[:300] if given else affinity_key(body, headers))
+            return key[0]
+
+        rt = self.sup.find(model, sender.sender if sender is not None else None, hops,
+                           affinity)
+        if key:
+            fwd[AFFINITY_HEADER] = key[0]
         scope = self._cache_scope(rt, body, headers, sender)
         if scope:
             fwd[CACHE_SCOPE_HEADER] = scope
@@ -247,6 +259,9 @@ class ModelRoutes:
         ctype = upstream.headers.get("content-type", "application/json")
         notices = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
                    if k.startswith("x-mlxfleet-")]  # the worker's notices to the client
+        if self.sup.node_name and "x-mlxfleet-node" not in upstream.headers:
+            # in a fleet: which node ran it (another node's answer names its own)
+            notices.append((b"x-mlxfleet-node", self.sup.node_name.encode()))
         if ctype.startswith(_STREAMING):
             return await out.stream(upstream.status_code, ctype, call.relayed(
                 _relay(lease, upstream, path, call.timeout)), notices)

@@ -28,8 +28,10 @@ import httpx
 from ..fleet_auth import AUTH_HEADER, FORWARDED_HEADER, answer_ok, sign
 from ..fleet_tls import FleetTLS, node_dns
 from ..manifest import LoadedManifest, NodeManifest
-from ..units import fmt_bytes
+from ..units import fmt_bytes, iso
 from .placement import ModelView, NodeView, Placement, place
+from .replicas import ReplicaRouter
+from .scaling import DEFAULT_TARGET, ScaleState, decide
 
 
 class NodeState(str, Enum):
@@ -77,6 +79,11 @@ class Fleet:
         self.started_wall = time.time()
         self.held: frozenset[str] = frozenset()  # models placed here by the last placement
         self.placements: dict[str, Placement] = {}
+        self.scaled: dict[str, int] = {}  # replicas chosen by load, for {min, max} models
+        self.wanted: dict[str, int] = {}  # replicas asked of the last placement
+        self.router = ReplicaRouter(self)  # which copy of a replicated model serves
+        self._scale_state: dict[str, ScaleState] = {}
+        self.scalings: dict[str, dict] = {}  # model -> its last scaling: when, why
         self._estimates: dict[tuple[str, Optional[str]], int] = {}
         self._doubted: dict[tuple[str, str], int] = {}  # (node, model) -> a report not believed
         self._client: Optional[httpx.AsyncClient] = None
@@ -210,10 +217,81 @@ class Fleet:
                                    dict(spec.placement.node_selector),
                                    tuple(d.nodes) if d else (),
                                    (d.size or 1) if d and not d.nodes else 1,
-                                   resident=bool(spec.preload or spec.pinned or d)))
+                                   resident=bool(spec.preload or spec.pinned or d),
+                                   replicas=self.replicas(name, spec.replica_range),
+                                   replicated=spec.replica_range != (1, 1)))
+        self.wanted = {v.name: v.replicas for v in views}
         self.placements = place(views, self.node_views(own_capacity))
         self.held = frozenset(n for n, p in self.placements.items() if self.me in p.nodes)
         return self.placements
+
+    def replica_view(self, model: str, own: Optional[dict]) -> Optional[dict]:
+        """A replicated model's copies as this node sees them (None: not replicated):
+        each copy's node, phase and load (this node's from ``own``, its status; the
+        others' from their reports), how many are asked for, and why fewer run."""
+        p = self.placements.get(model)
+        if p is None or not p.replicas:
+            return None
+        items = []
+        for node in p.nodes:
+            st: dict = {}
+            if node == self.me:
+                st = own or {}
+            else:
+                peer = self.peers.get(node)
+                for m in ((peer.report or {}).get("models") or []) if peer else []:
+                    if m.get("name") == model:
+                        st = m
+                if peer is None or peer.failures or peer.last_ok is None:
+                    st = {**st, "phase": "Unknown", "ready": False}
+            items.append({"node": node, "phase": st.get("phase", "Unknown"),
+                          "ready": bool(st.get("ready")),
+                          "inflight": int(st.get("inflight") or 0),
+                          "waiting": int(st.get("waiting") or 0),
+                          "ttftP50": float(st.get("ttftP50") or 0.0),
+                          "routedFromHere": self.router.routed.get((model, node), 0)})
+        return {"desired": self.wanted.get(model, len(p.nodes)), "items": items,
+                "ready": sum(i["ready"] for i in items), "reason": p.reason or None,
+                "lastScaling": self.scalings.get(model)}
+
+    def scale(self, desired: Mapping[str, LoadedManifest], own: Mapping[str, dict],
+              keep_alive: float) -> list[tuple[str, str]]:
+        """Scale the models with ``replicas: {min, max}`` (``scaling``): this node decides
+        when it is the first by name of those it reaches, else it takes the counts from
+        that node's report. Returns (model, why) for each change it made."""
+        decider = self.answering()[0]
+        if decider != self.me:
+            got = (self.peers[decider].report or {}).get("scaled") or {}
+            self.scaled = {k: v for k, v in got.items() if isinstance(k, str)
+                           and isinstance(v, int) and 1 <= v <= 64}
+            return []
+        changes = []
+        now = time.monotonic()
+        for name, lm in desired.items():
+            spec = lm.manifest.spec
+            if isinstance(spec.replicas, int):
+                continue
+            view = self.replica_view(name, own.get(name))
+            if view is None:
+                continue
+            cur = self.replicas(name, spec.replica_range)
+            target = spec.replicas.target_wait or DEFAULT_TARGET
+            waits = [i["ttftP50"] for i in view["items"]]
+            busy = any(i["inflight"] or i["waiting"] for i in view["items"])
+            ka = spec.keep_alive if spec.keep_alive is not None else keep_alive
+            new, why = decide(cur, spec.replica_range, waits, busy, target, ka,
+                              self._scale_state.setdefault(name, ScaleState()), now)
+            self.scaled[name] = new
+            if why:
+                self.scalings[name] = {"at": iso(time.time()), "message": why}
+                changes.append((name, why))
+        return changes
+
+    def replicas(self, model: str, bounds: tuple[int, int]) -> int:
+        """How many copies of ``model`` to place: its number, or within {min, max} what
+        scaling decided (``scaled``; at least one: ``min: 0`` loads on demand)."""
+        low, high = bounds
+        return max(1, min(high, self.scaled.get(model, low)))
 
     def node_views(self, own_capacity: int) -> list[NodeView]:
         out = []
@@ -320,6 +398,19 @@ class Fleet:
         for c in (*self._retired, self._client):
             if c is not None:
                 await c.aclose()
+
+
+def with_replicas(st: dict[str, Any], view: Optional[dict]) -> dict[str, Any]:
+    """A model's status with its copies (``Fleet.replica_view``), and a ``Degraded``
+    condition when fewer run than asked for."""
+    if view is None:
+        return st
+    st["replicas"] = view
+    if view["reason"]:
+        st["conditions"] = [*st.get("conditions", []), {
+            "type": "Replicated", "status": "False", "reason": "Degraded",
+            "message": view["reason"]}]
+    return st
 
 
 def tls_refusal(e: BaseException) -> Optional[str]:

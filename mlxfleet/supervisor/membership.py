@@ -80,6 +80,8 @@ class FleetMembership:
             p = placements.get(name)
             if p is not None and fleet.me in p.nodes:
                 local[name] = lm
+                if p.replicas:
+                    continue  # a whole copy, serving here (requests are routed: find)
                 if len(p.nodes) > 1:  # sharded: every rank's node runs a worker
                     port = lm.manifest.spec.distributed.port
                     hosts = tuple(f"{fleet.nodes[n].spec.host}:{port + i}"
@@ -117,6 +119,7 @@ class FleetMembership:
                         if rt.pull_failed:
                             self.dispatch(RetryNow(rt.key, f"node '{back[0]}' is back; "
                                                    "pulling the weights again"))
+                await self._scale()
                 async with self._lock:
                     before = dict(fleet.placements)
                     self._apply()
@@ -128,6 +131,23 @@ class FleetMembership:
                 raise
             except Exception:  # noqa: BLE001 - a bad report must not stop the fleet loop
                 log.exception("fleet update failed")
+
+    async def _scale(self) -> None:
+        """Models with ``replicas: {min, max}``: their copies' waits, then the count."""
+        fleet = self.fleet
+        own = {}
+        for name, rt in list(self.models.items()):
+            if isinstance(rt.manifest.spec.replicas, int):
+                continue
+            st = await rt.worker_status() if rt.ready else None
+            rt.ttft = float((st or {}).get("ttft_p50_s") or 0.0)
+            own[name] = rt.status()
+        for name, why in fleet.scale(self._wanted, own, self.settings.keep_alive_seconds):
+            rt = self.models.get(name)
+            if rt is not None:
+                rt.event("Normal", "Scaled", why)
+            else:
+                log.info("%s: %s", name, why)
 
     def node_report(self) -> dict[str, Any]:
         """What this node tells the others (``GET /mlxfleet/v1/node``)."""
@@ -153,6 +173,8 @@ class FleetMembership:
             "placement": {n: list(p.nodes) for n, p in sorted(fleet.placements.items())}
             if fleet else {},
             "sees": fleet.answering() if fleet else [],
+            "scaled": dict(fleet.scaled) if fleet else {},
+            "sessions": fleet.router.sessions() if fleet else {},
             "health": "ok",
         }
 

@@ -20,7 +20,11 @@ of them reach the same answer without a leader or a consensus store. The rules:
    loaded on demand need only fit the node: they take turns, evicting idle ones.
 
 A distributed model (``spec.distributed``) is placed on several nodes at once
-(rank 0 first), each holding an equal share of its estimate.
+(rank 0 first), each holding an equal share of its estimate. A replicated model
+(``spec.replicas``) is placed on up to that many distinct nodes, each holding a whole
+copy, by the same rules (those that hold a copy keep it; the others go where there is
+the most free memory); fewer fitting nodes than replicas leave it degraded, with the
+reason, still serving from the copies it has.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class ModelView:
     ranks: tuple[str, ...] = ()  # distributed over exactly these nodes
     size: int = 1  # distributed over this many nodes, chosen here
     resident: bool = False  # preloaded, pinned or sharded: loaded while it is placed
+    replicas: int = 1  # whole copies on distinct nodes, each serving alone
+    replicated: bool = False  # it has spec.replicas (a number > 1, or {min, max})
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ class Placement:
     No nodes: unschedulable, and ``reason`` says why."""
 
     nodes: tuple[str, ...] = ()
-    reason: str = ""
+    reason: str = ""  # with nodes: why there are fewer replicas than asked (degraded)
+    replicas: bool = False  # the nodes hold whole copies, each serving alone (not ranks)
 
     @property
     def node(self) -> Optional[str]:
@@ -90,8 +97,14 @@ def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, P
         else:
             todo.append((m, fits))
 
-    def put(m: ModelView, names) -> None:
-        out[m.name] = Placement(tuple(names))
+    def put(m: ModelView, names, fits: Sequence[NodeView] = ()) -> None:
+        names = tuple(names)
+        if m.replicated or m.replicas > 1:
+            short = "" if len(names) >= m.replicas else (
+                f"{len(names)} of {m.replicas} replicas: {_why_few(m, fits, names)}")
+            out[m.name] = Placement(names, short, replicas=True)
+        else:
+            out[m.name] = Placement(names)
         _take(free, names, _share(m))
         if m.resident:
             _take(room, names, _share(m))
@@ -112,19 +125,34 @@ def place(models: Sequence[ModelView], nodes: Sequence[NodeView]) -> dict[str, P
                 put(m, m.ranks)
             continue
         holders = [n.name for n in roomy(m, fits) if m.name in n.holds]
-        if len(holders) >= m.size:
-            put(m, holders[:m.size])
+        if len(holders) >= _want(m):
+            put(m, holders[:_want(m)], fits)
         else:
             rest.append((m, fits))
     for m, fits in sorted(rest, key=lambda t: (not t[0].resident, -t[0].estimate, t[0].name)):
         can = roomy(m, fits)
-        if len(can) < m.size:
+        if len(can) < m.size or not can:
             out[m.name] = Placement(reason=_no_room(m, fits, room))
             continue
-        best = sorted(can, key=lambda n: (_free_key(free[n.name]), n.name))[:m.size]
+        # copies held already first (they stay), then the most free memory
+        best = sorted(can, key=lambda n: (m.name not in n.holds, _free_key(free[n.name]),
+                                          n.name))[:_want(m)]
         # ranks in name order, as a group that stays put lists them (holders, above)
-        put(m, sorted(n.name for n in best))
+        put(m, sorted(n.name for n in best), fits)
     return out
+
+
+def _want(m: ModelView) -> int:
+    """How many nodes the model takes: its ranks, or its replicas."""
+    return max(m.size, m.replicas)
+
+
+def _why_few(m: ModelView, fits: Sequence[NodeView], placed: Sequence[str]) -> str:
+    if len(fits) < m.replicas:
+        return (f"only {len(fits)} healthy allowed node{'s' if len(fits) != 1 else ''} can "
+                f"hold it ({', '.join(n.name for n in fits) or 'none'})")
+    return "no room beside the resident models on " + ", ".join(
+        n.name for n in fits if n.name not in placed)
 
 
 def _no_room(m: ModelView, fits: list[NodeView], room: dict[str, Optional[int]]) -> str:

@@ -24,7 +24,7 @@ from ..manifest import Manifest
 from ..units import iso
 from ..wire import APIError
 from .admission import AdmissionError, ServedModel
-from .fleet import Fleet
+from .fleet import Fleet, with_replicas
 from .handle import InflightCounter, WorkerFailed, WorkerUnreachable
 from .lifecycle import ModelPhase
 from .placement import Placement
@@ -214,7 +214,13 @@ class RemoteModel(ServedModel):
 
     def via(self, node: str) -> RemoteModel:
         """This model, reached through ``node`` (which reaches its node) for one request."""
-        return RemoteModel(self.manifest, self.file, Placement((node,)), self.fleet)
+        return RemoteModel.copy_on(self, node, self.fleet)
+
+    @classmethod
+    def copy_on(cls, model: ServedModel, node: str, fleet: Fleet) -> RemoteModel:
+        """``model`` (local or not) as served by ``node``: a copy of a replicated model
+        there, or the way to it."""
+        return cls(model.manifest, model.file, Placement((node,)), fleet)
 
     def check(self) -> None:
         """Raise the 503 a request for this model gets when no node can serve it, or
@@ -311,4 +317,5 @@ class RemoteModel(ServedModel):
             st.update({"lastError": self.placement.reason, "conditions": [{
                 "type": "Scheduled", "status": "False", "reason": "Unschedulable",
                 "message": self.placement.reason}]})
-        return st
+        return with_replicas(st, self.fleet.replica_view(self.name, None))
+

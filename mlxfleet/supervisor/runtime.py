@@ -20,6 +20,7 @@ from ..manifest import Manifest
 from ..units import iso_opt
 from .admission import AdmissionError, ServedModel, timeout_error, until
 from .eviction import expires_at
+from .fleet import with_replicas
 from .handle import WorkerHandle
 from .lifecycle import ModelPhase
 from .memory import MemoryAccount
@@ -61,6 +62,7 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
         self.weight_bytes: Optional[int] = None
         self.measured_bytes: Optional[int] = None
         self.pull_failed = False  # its last start failed pulling the weights
+        self.ttft = 0.0  # its worker's median time to first token (replicas scale by it)
         self.workers: dict[int, WorkerHandle] = {}
         self._generation_of: dict[int, int] = {}
         self._tasks: dict[int, asyncio.Task] = {}  # a worker's start, then its watch
@@ -398,7 +400,7 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
         footprint = self.footprint()
         ka = self.keep_alive
         exp = expires_at(self.last_used, ka, self.inflight > 0) if self.ready else None
-        return {
+        st = {
             "name": self.name, "source": spec.source, "aliases": list(spec.aliases),
             "node": self.sup.node_name,
             "labels": dict(self.manifest.metadata.labels), "file": self.file,
@@ -407,6 +409,7 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
             "restarts": self.restarts, "pid": w.pid if w and w.alive else None,
             "memoryBytes": self.memory_bytes(), "lastError": self.last_error,
             "inflight": self.inflight, "waiting": self.waiters,
+            "ttftP50": self.ttft,
             "keepAlive": "forever" if ka == float("inf") else ka,
             "lastUsed": iso_opt(self.last_used), "expiresAt": iso_opt(exp),
             "pinned": spec.pinned, "priority": spec.priority, "preload": spec.preload,
@@ -419,3 +422,5 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
             "paths": self.paths,
             "pull": (lambda p: p.progress() if p else None)(self.pull()),
         }
+        fleet = self.sup.fleet
+        return with_replicas(st, fleet.replica_view(self.name, st) if fleet else None)

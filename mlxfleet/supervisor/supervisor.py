@@ -34,6 +34,7 @@ from .handle import WorkerHandle
 from .membership import FleetMembership
 from .reconcile import Action, plan
 from .remote import RemoteModel
+from .replicas import max_concurrency
 from .runtime import ModelRuntime
 from .scheduler import (
     Added,
@@ -302,13 +303,15 @@ class Supervisor(FleetMembership):
 
     # ---- admission -------------------------------------------------------
 
-    def find(self, model: str, forwarded_by: Optional[str] = None, hops: int = 0
-             ) -> ServedModel:
+    def find(self, model: str, forwarded_by: Optional[str] = None, hops: int = 0,
+             affinity: Optional[Callable[[], str]] = None) -> ServedModel:
         """The model a request names (``resolve``), or the 404 it gets. ``forwarded_by``:
         the node that sent the request here, ``hops`` nodes having forwarded it so far.
         When placements disagree (a node just came or went, a one-way partition) and this
         node sees another holding the model, the request goes on there, once, never back
-        to its sender (no circles); otherwise it is refused with ``model_moved``."""
+        to its sender (no circles); otherwise it is refused with ``model_moved``. A
+        replicated model's copy is chosen by the request's ``affinity`` key (a client's
+        request; one forwarded here is served by this node's copy)."""
         rt = self.resolve(model)
         if rt is None:
             # glob aliases too: "claude-*" tells a client what it may send
@@ -324,6 +327,14 @@ class Supervisor(FleetMembership):
                                  f"'{self.node_name}' that this request was forwarded to; "
                                  "the nodes are updating their placement, retry shortly.",
                                  "model_moved", retry_after=1)
+        placed = self.fleet.placements.get(rt.name) if self.fleet is not None else None
+        if placed is not None and placed.replicas:
+            router = self.fleet.router
+            if forwarded_by is None and len(placed.nodes) > 1:
+                return router.route(rt, placed.nodes, affinity() if affinity else "",
+                                    self.models.get(rt.name), max_concurrency(rt.manifest))
+            if rt.name in self.models:  # a copy here serves it: its session is live here
+                router.served(rt.name, affinity() if affinity else "")
         if forwarded_by is None and isinstance(rt, RemoteModel) and rt.unreachable():
             # this node cannot reach the model's node (or places it nowhere) but another
             # node reaches one holding it: ask, don't refuse (that node forwards it on,

@@ -165,7 +165,9 @@ function renderModels() {
     el("td", {}, m.aliases.join(", ")),
     el("td", { class: "src", title: m.source }, m.source),
     el("td", { class: `phase ${m.phase}` }, m.pull ? `Pulling ${percent(m.pull)}` : m.phase),
-    el("td", {}, m.node || "local"),
+    el("td", { title: m.replicas && m.replicas.reason || "" }, m.replicas
+      ? `${m.replicas.items.map((r) => `${r.node}: ${r.phase}`).join(", ")} (${m.replicas.ready}/${m.replicas.desired})`
+      : m.node || "local"),
     el("td", {}, m.loaded ? gib(m.memoryBytes) : "-"),
     el("td", {}, countdown(m)),
     el("td", {}, String(m.inflight + (m.waiting || 0))),

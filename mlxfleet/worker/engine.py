@@ -126,6 +126,9 @@ class Engine:
         self._unknown_mask: Any = None
         self.load_seconds: Optional[float] = None
         self.stats = EngineStats()
+        # (when, seconds) a request waited for its first token: the median of the last
+        # minute is what a fleet scales a replicated model by
+        self._waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=1024)
         self.report: dict[str, Any] = {}  # published by the engine thread (see _publish)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -753,6 +756,7 @@ class Engine:
             "length" if p.max_tokens <= 1 else None
         text = decoder.feed(token, reason)
         gen.generated, gen.phase, gen.first_token_at = 1, "generation", time.monotonic()
+        self._waits.append((gen.first_token_at, gen.first_token_at - gen.submitted_at))
         self._post([(gen, TokenEvent(0, token, text, decoder.finish_reason,
                                      decoder.stop_sequence))])
         if decoder.finish_reason is None:
@@ -854,6 +858,7 @@ class Engine:
             self._grow(seq)
         if gen.first_token_at is None:
             gen.phase, gen.first_token_at = "generation", time.monotonic()
+            self._waits.append((gen.first_token_at, gen.first_token_at - gen.submitted_at))
         if r.finish_reason is not None:
             del self._seqs[r.uid]
             self._reserved -= seq.reserved
@@ -901,6 +906,8 @@ class Engine:
             return
         self._published = now
         spec = self._speculator
+        recent = sorted(w for t, w in self._waits if now - t < 60)
+        self.stats.ttft_p50_s = round(recent[len(recent) // 2], 3) if recent else 0.0
         self.report = {**_stats_dict(self.stats), "kv_reserved_bytes": self._reserved,
                          "paths": self.paths,
                          "speculation": spec.stats.as_dict() if spec else None,

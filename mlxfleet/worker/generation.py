@@ -91,3 +91,4 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     cancelled_total: int = 0
+    ttft_p50_s: float = 0.0  # median time to first token over the last minute
