@@ -1,11 +1,11 @@
 """Replicas: cache-affine routing against a balancer that ignores the session.
 
-    .venv/bin/python benchmarks/replicas.py [--model builtin:tiny] [--sessions 8]
-        [--turns 6] [--tool-words 300]
+    .venv/bin/python benchmarks/replicas.py [--model zoo:qwen3] [--sessions 8]
+        [--turns 6] [--tool-words 30]
 
 Three `mlxfleet serve --node` processes on this machine (loopback), one model with two
-copies (on b and c). ``--sessions`` agent sessions (a long system prompt, then turns
-that each add the answer and a tool result of ``--tool-words`` words) run at once
+copies (on b and c). ``--sessions`` agent sessions (a 4,000-token system prompt, then
+turns that each add the answer and a tool result of ``--tool-words`` words) run at once
 through a, b and c in turn, twice:
 
 - **affine**: each session sends its own ``prompt_cache_key`` (what Codex does; Claude
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from compare import BLAS, PY, Proc, free_port, wait_http  # noqa: E402
 
-SYSTEM = "You are a careful coding agent. Read the files, run the tests, fix what fails. " * 12
+SYSTEM = "You are a careful coding agent. Read the files, run the tests, fix what fails. " * 250
 
 
 def session(i: int, url: str, turns: int, words: int, affine: bool, out: list) -> None:
@@ -100,11 +100,18 @@ def report(name: str, rows: list[dict], turns: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="builtin:tiny")
+    ap.add_argument("--model", default="zoo:qwen3", help="default: the zoo's Qwen3 (random "
+                    "weights, the real tokenizer, 40k context)")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--tool-words", type=int, default=300)
+    ap.add_argument("--tool-words", type=int, default=30)
     args = ap.parse_args()
+    source = args.model
+    if source.startswith("zoo:"):  # built here, then served from its directory
+        from mlxfleet.builtin import builtin_cache_dir
+        from mlxfleet.zoo import build
+
+        source = str(build(source[4:], builtin_cache_dir().parent / "zoo"))
     tmp = Path(tempfile.mkdtemp(prefix="mlxfleet-replicas-"))
     man = tmp / "manifests"
     man.mkdir()
@@ -124,7 +131,7 @@ def main() -> None:
         for affine in (True, False):  # a fresh model each time: nothing cached before
             (man / "coder.yaml").write_text(
                 "apiVersion: mlxfleet/v1\nkind: Model\nmetadata: {name: coder}\n"
-                f"spec: {{source: {json.dumps(args.model)}, preload: true, replicas: 2,\n"
+                f"spec: {{source: {json.dumps(source)}, preload: true, replicas: 2,\n"
                 "  keepAlive: forever, placement: {nodes: [b, c]},\n"
                 f"  env: {{RUN: '{affine}'}}}}\n")  # (a new worker per run)
             time.sleep(2)
