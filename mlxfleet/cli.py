@@ -441,7 +441,7 @@ def _run_get_nodes(args) -> int:
         return 0
     rows = [["NAME", "URL", "STATUS", "MODELS", "MEMORY", "LABELS", "AGE"]]
     if args.output == "wide":
-        rows[0] += ["CHIP", "VERSION", "LAST SEEN"]
+        rows[0] += ["DEVICE", "CHIP", "VERSION", "LAST SEEN"]
     for n in items:
         mem = n["memory"]
         age = "-"
@@ -456,7 +456,9 @@ def _run_get_nodes(args) -> int:
                ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-", age]
         if args.output == "wide":
             seen = n["lastSeenSecondsAgo"]
-            row += [n["chip"] or "-", n["version"] or "-",
+            dev = n.get("accelerator") or {}
+            row += [f"{dev['kind']}: {dev['name']}" if dev.get("kind") not in (None, "cpu")
+                    else dev.get("kind") or "-", n["chip"] or "-", n["version"] or "-",
                     "-" if seen is None else f"{seen:g}s ago"]
         rows.append(row)
     print(_table(rows))

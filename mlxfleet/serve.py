@@ -16,6 +16,7 @@ log = logging.getLogger("mlxfleet")
 
 
 async def serve(settings: ServerSettings) -> None:
+    from .accelerator import check_backend
     from .api.gateway import create_gateway
     from .api.guard import is_loopback
     from .supervisor.supervisor import Supervisor
@@ -24,6 +25,7 @@ async def serve(settings: ServerSettings) -> None:
         raise SystemExit(f"error: refusing to serve on {settings.host} (not loopback) without "
                          "an API key: anyone who can reach the port would get a free LLM. "
                          "Set --api-key (or MLXFLEET_API_KEY), or pass --insecure.")
+    check_backend()
     node_listener = _check_node(settings) if settings.node else None
     _check_port(settings.host, settings.port)
     if node_listener is not None:

@@ -4,7 +4,6 @@ which override an optional YAML settings file (``--config`` or ``MLXFLEET_CONFIG
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -234,14 +233,16 @@ class ServerSettings(BaseSettings):
         """The budget in bytes, and where it comes from (shown by ``get models``)."""
         import psutil
 
+        from .accelerator import CUDA_SHARE, this_node
         from .units import parse_memory
 
-        total = psutil.virtual_memory().total
+        dev = this_node()  # the models' device: its memory, not the machine's, on CUDA
+        total = int(dev.memory_bytes / CUDA_SHARE) if dev.kind == "cuda" and \
+            dev.memory_bytes else psutil.virtual_memory().total
         if self.memory_budget != "auto":
             return parse_memory(self.memory_budget, total), f"set: {self.memory_budget}"
-        working_set = metal_working_set()
-        if working_set:
-            return working_set, "Metal recommended working set"
+        if dev.memory_bytes:
+            return dev.memory_bytes, dev.source
         return int(total * 0.7), "70% of physical memory"
 
     def wired_limit_bytes(self) -> Optional[int]:
@@ -266,22 +267,6 @@ class ServerSettings(BaseSettings):
                 raise FileNotFoundError(f"settings file {path} does not exist")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
-
-
-def metal_working_set() -> Optional[int]:
-    """Metal's recommended working set in bytes on Apple Silicon, else None. (MLX is
-    imported only on macOS: elsewhere there is no Metal to ask.)"""
-    if sys.platform != "darwin":
-        return None
-    try:
-        import mlx.core as mx
-
-        if not mx.metal.is_available():
-            return None
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]) or None
-    except Exception:  # noqa: BLE001 - no Metal answer: fall back to a share of RAM
-        return None
 
 
 def comma_list(value: Optional[str]) -> list[str]:

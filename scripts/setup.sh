@@ -17,10 +17,23 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
     echo "note: 'sudo apt-get install libopenblas0-pthread' makes MLX on CPU much faster" >&2
   fi
 fi
-extra=""
-[ "${1:-}" = "test" ] && extra="[test]"
+# MLX's backend on Linux: MLXFLEET_BACKEND=cpu|cuda|cuda12, else cuda where nvidia-smi sees
+# a GPU (CUDA 13 drivers; cuda12 for older ones), else cpu. (macOS: Metal, always.)
+backend=""
+if [ "$(uname -s)" = "Linux" ]; then
+  backend=${MLXFLEET_BACKEND:-}
+  if [ -z "$backend" ]; then
+    backend=cpu
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+      backend=cuda
+    fi
+  fi
+fi
+extras=$backend
+[ "${1:-}" = "test" ] && extras="${extras:+$extras,}test"
+extra=${extras:+[$extras]}
 # The dashboard's browser tests drive Debian's Chromium (Playwright cannot download its own).
-if [ -n "$extra" ] && [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
+if [ "${1:-}" = "test" ] && [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
     && ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ]; then
     echo "setup: installing Debian's chromium (the dashboard's browser tests drive it)"
@@ -40,7 +53,7 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip \
 fi
 rm -f "$log"
 # The real agent clients the tests run (tests/agents/package.json pins them), from npm.
-if [ -n "$extra" ]; then
+if [ "${1:-}" = "test" ]; then
   if command -v npm >/dev/null 2>&1; then
     echo "setup: installing the agent clients the tests run (npm: tests/agents/package.json)"
     npm install --prefix tests/agents --no-audit --no-fund --loglevel=error >/dev/null \

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = frozenset({
     "test_scheduler.py", "test_lifecycle.py", "test_formatters.py", "test_placement.py",
     "test_manifest.py", "test_engine_policy.py", "test_engine_steps.py",
-    "test_uds_client.py", "test_mlx_lm_api.py", "test_prompt_cache.py", "test_replicas.py"})
+    "test_uds_client.py", "test_mlx_lm_api.py", "test_prompt_cache.py", "test_replicas.py",
+    "test_accelerator.py"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:

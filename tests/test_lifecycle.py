@@ -335,15 +335,27 @@ async def test_a_missing_manifests_folder_stops_nothing(node):
 def test_the_default_budget_says_where_it_comes_from(tmp_path, monkeypatch):
     import psutil
 
-    from mlxfleet import settings as settings_mod
+    from mlxfleet import accelerator
+    from mlxfleet.accelerator import Accelerator, detect
 
     s = ServerSettings(manifests_dir=tmp_path)
     total = psutil.virtual_memory().total
-    monkeypatch.setattr(settings_mod, "metal_working_set", lambda: None)  # Linux, Intel Mac
+    cpu = Accelerator("cpu", "cpu")
+    monkeypatch.setattr(accelerator, "this_node", lambda: cpu)  # Linux, Intel Mac
     assert s.memory_budget_bytes() == (int(total * 0.7), "70% of physical memory")
     # On Apple Silicon, what Metal recommends. (No Metal here: its answer is simulated.)
-    monkeypatch.setattr(settings_mod, "metal_working_set", lambda: 48 << 30)
+    metal = Accelerator("metal", "Apple M2 Max", 48 << 30, "Metal recommended working set")
+    monkeypatch.setattr(accelerator, "this_node", lambda: metal)
     assert s.memory_budget_bytes() == (48 << 30, "Metal recommended working set")
+    # On an NVIDIA GPU, its memory (nvidia-smi's answer, simulated: no GPU here), not RAM:
+    # the auto budget and a share alike
+    h100 = detect("cuda", [("NVIDIA H100 80GB HBM3", 81559 << 20)])
+    monkeypatch.setattr(accelerator, "this_node", lambda: h100)
+    assert s.memory_budget_bytes() == (int((81559 << 20) * 0.9),
+                                       "90% of NVIDIA H100 80GB HBM3's memory")
+    share = ServerSettings(manifests_dir=tmp_path, memory_budget="50%")
+    assert share.memory_budget_bytes()[0] == pytest.approx((81559 << 20) / 2, rel=1e-6)
+    monkeypatch.setattr(accelerator, "this_node", lambda: cpu)
     s = ServerSettings(manifests_dir=tmp_path, memory_budget="12GB", wired_limit="50%")
     assert s.memory_budget_bytes() == (12 << 30, "set: 12GB")
     assert s.wired_limit_bytes() == total // 2

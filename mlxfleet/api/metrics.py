@@ -148,8 +148,11 @@ class Metrics:
             if n in workers:
                 entry.update(workers[n])
             models[n] = entry
+        from ..accelerator import this_node
+
         return {**aggregate_status(models, time.time() - self.started),
-                "models": models, "memory": self.sup.memory_status()}
+                "models": models, "memory": self.sup.memory_status(),
+                "accelerator": this_node().as_dict()}
 
 
 def aggregate_status(models: dict[str, dict], uptime: float) -> dict[str, Any]:

@@ -294,15 +294,18 @@ class Fleet:
         return max(1, min(high, self.scaled.get(model, low)))
 
     def node_views(self, own_capacity: int) -> list[NodeView]:
+        from ..accelerator import this_node
+
         out = []
         for name, n in sorted(self.nodes.items()):
             if name == self.me:  # (a node the fleet rejects offers no room)
-                out.append(NodeView(name, dict(n.metadata.labels),
+                out.append(NodeView(name, _labels(n, this_node().kind),
                                     0 if self.rejected else own_capacity, True, self.held))
                 continue
             rep = self.peers[name].report or {}
-            out.append(NodeView(name, dict(n.metadata.labels), capacity(n, rep),
-                                self.healthy(name), frozenset(rep.get("holds") or ())))
+            out.append(NodeView(name, _labels(n, (rep.get("accelerator") or {}).get("kind")),
+                                capacity(n, rep), self.healthy(name),
+                                frozenset(rep.get("holds") or ())))
         return out
 
     # ---- polling -----------------------------------------------------------
@@ -398,6 +401,15 @@ class Fleet:
         for c in (*self._retired, self._client):
             if c is not None:
                 await c.aclose()
+
+
+def _labels(node: NodeManifest, accelerator: Optional[str]) -> dict[str, str]:
+    """A node's labels, with ``accelerator`` (metal, cuda, cpu: what its report says) for
+    nodeSelector unless its manifest sets one."""
+    labels = dict(node.metadata.labels)
+    if isinstance(accelerator, str) and accelerator:
+        labels.setdefault("accelerator", accelerator)
+    return labels
 
 
 def with_replicas(st: dict[str, Any], view: Optional[dict]) -> dict[str, Any]:

@@ -154,6 +154,7 @@ class FleetMembership:
         import platform
 
         from .. import __version__
+        from ..accelerator import this_node
         from ..units import iso
         from .fleet import chip
 
@@ -165,6 +166,7 @@ class FleetMembership:
             "labels": dict(me.metadata.labels) if me else {}, "version": __version__,
             "startedAt": iso(fleet.started_wall) if fleet else None,
             "chip": chip(), "system": f"{platform.system()} {platform.machine()}",
+            "accelerator": this_node().as_dict(),
             "memory": {"capacityBytes": self.memory_budget, "usedBytes": mem["usedBytes"],
                        "freeBytes": mem["freeBytes"], "totalBytes": _physical_memory()},
             "holds": sorted(fleet.held) if fleet else self.names(),
@@ -204,6 +206,7 @@ class FleetMembership:
                 "memory": {"usedBytes": mem.get("usedBytes"), "capacityBytes": capacity(n, rep),
                            "totalBytes": mem.get("totalBytes")},
                 "chip": rep.get("chip"), "system": rep.get("system"),
+                "accelerator": rep.get("accelerator"),
                 "version": rep.get("version"), "startedAt": rep.get("startedAt"),
                 "lastSeenSecondsAgo": None if seen is None else round(seen, 1),
                 "error": err,

@@ -293,7 +293,9 @@ function renderNodes() {
     el("td", {}, n.models.join(", ") || "-"),
     el("td", {}, `${gib(n.memory.usedBytes)} / ${gib(n.memory.capacityBytes)}`),
     el("td", {}, Object.entries(n.labels).map(([k, v]) => `${k}=${v}`).join(", ") || "-"),
-    el("td", {}, n.chip || "-"),
+    el("td", { title: (n.accelerator && n.accelerator.memorySource) || "" },
+      n.accelerator && n.accelerator.kind !== "cpu"
+        ? `${n.chip || "-"} (${n.accelerator.kind}: ${n.accelerator.name})` : n.chip || "-"),
     el("td", {}, n.lastSeenSecondsAgo == null ? "-" : `${n.lastSeenSecondsAgo} s ago`))));
 }
 

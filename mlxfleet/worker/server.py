@@ -102,7 +102,14 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 def run_worker(config: WorkerConfig, bind: str) -> int:
     _without_torch(config)
     asyncio.run(serve_worker(config, bind))
-    return 0
+    # Drained and stopped: leave now, without the interpreter's teardown. MLX's CUDA
+    # backend aborts in its static destructors ("terminate called without an active
+    # exception", exit code 134) when Python unloads it; nothing is left to flush but
+    # our own streams.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _without_torch(config: WorkerConfig) -> None:
