@@ -34,6 +34,7 @@ BLAS = preload_blas()
 
 import httpx  # noqa: E402
 
+from mlxfleet.accelerator import this_node  # noqa: E402
 from mlxfleet.bench import make_prompt, run_bench  # noqa: E402
 from mlxfleet.sources import resolve_source  # noqa: E402
 
@@ -281,6 +282,9 @@ def main() -> None:
         wait_http(urls["gateway"] + "/mlxfleet/v1/models/bench",
                   ok=lambda r: r.status_code == 200 and r.json()["ready"])
         results["cold_start_s"] = time.perf_counter() - t0
+        # The first burst after Ready, against the same burst later (shapes compiled on
+        # first use show here: issue #46's stalls)
+        results["first_burst"] = bench(urls["gateway"], "bench", 8, args)
         results["raw_load_s"] = raw_cold_load(model_dir)
         results["limit"] = machine_limit(model_dir)
         results["prompt_tokens"] = prompt_tokens(model_dir, args.prompt_words)
@@ -295,6 +299,7 @@ def main() -> None:
                 f"{k} {v['output_tokens_per_s']:.1f} tok/s" for k, v in row.items()),
                 flush=True)
 
+        results["later_burst"] = bench(urls["gateway"], "bench", 8, args)
         # The gateway's hop on tiny non-streaming requests: against its own worker, asked
         # on its Unix socket (the same process, so the difference is the hop alone).
         sock = next((tmp / "run").glob("mlxfleet-*/*.sock"))  # its one worker
@@ -385,6 +390,7 @@ def meta(args) -> dict:
     return {"python": platform.python_version(), "platform": platform.platform(),
             "machine": platform.machine(), "cpus": os.cpu_count(), "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__, "blas": BLAS, "model": args.model,
+            "backend": (lambda a: f"{a.kind} ({a.name})")(this_node()),
             "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
 
 
@@ -392,7 +398,8 @@ def render(r: dict, args) -> str:
     m = r["meta"]
     lines = ["# Performance", "",
              f"Measured {time.strftime('%Y-%m-%d')} on {m['platform']} ({m['cpus']} CPUs), "
-             f"Python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, BLAS: "
+             f"Python {m['python']}, mlx {m['mlx']} on {m['backend']}, mlx-lm {m['mlx_lm']}, "
+             "BLAS: "
              f"`{m['blas']}`. Model `{m['model']}`, prompt {args.prompt_words} words, "
              f"{args.max_tokens} output tokens per request (`ignore_eos`), greedy.", "",
              f"Reproduce: `{m['command']}`", "",
@@ -439,6 +446,7 @@ def render(r: dict, args) -> str:
         lines.append(f"| {s} | {lt['decode']:.0f} | {lt['overall']:.0f} | "
                      + " | ".join(cells) + f" | {dec} |")
     lat = r["latency_ms"]
+    first, later = (r[k]["output_tokens_per_s"] for k in ("first_burst", "later_burst"))
     pc = r["prompt_cache"]
     mem = r["worker_memory"]
     lines += ["", "## Other measurements", "",
@@ -448,6 +456,8 @@ def render(r: dict, args) -> str:
               f"({lat['own_p50']:.2f} -> {lat['gateway_p50']:.2f}) |",
               f"| gateway hop, p99 | {lat['gateway_p99'] - lat['own_p99']:+.2f} ms |",
               f"| cold start: manifest saved -> Ready | {r['cold_start_s']:.2f} s |",
+              f"| first 8-stream burst after Ready / the same burst later (gateway tok/s) | "
+              f"{first:.0f} / {later:.0f} ({first / later:.2f}x) |",
               f"| raw: a process that imports mlx_lm and loads the model | "
               f"{r['raw_load_s']:.2f} s |",
               f"| swap: request for an unloaded model with one loaded (maxLoadedModels 1) | "
