@@ -142,7 +142,10 @@ def test_a_queue_adds_a_copy_and_idleness_takes_it_away(fleet):
           f"began; removed {time.monotonic() - t1:.1f} s after they stopped (keep-alive 3 s)")
 
 
-def test_sessions_stick_to_the_copy_with_their_prefix_and_survive_losing_one(fleet):
+SESSIONS_RUN: list = []  # the sessions test's, continued by the node-death test
+
+
+def test_sessions_stick_to_the_copy_holding_their_prefix_within_the_bound(fleet):
     ns = fleet
     entries = [ns["abc"[i % 3]] for i in range(SESSIONS)]
     sessions = [Session(i, e) for i, e in enumerate(entries)]
@@ -165,8 +168,70 @@ def test_sessions_stick_to_the_copy_with_their_prefix_and_survive_losing_one(fle
     assert sum(i["routedFromHere"] for i in st["items"]) >= TURNS * len(
         [e for e in entries if e is ns["a"]])
 
-    # kill c: its sessions go on from b (one miss: b never saw them, then hits again);
-    # the ones that entered through c point at a instead, as a client would
+    SESSIONS_RUN.extend(sessions)
+
+
+def models_yaml(coder_env: dict) -> str:
+    return "---\n".join([
+        manifest("coder", replicas=2, placement={"nodes": ["b", "c"]}, env=coder_env),
+        manifest("scaler", replicas={"min": 1, "max": 2, "targetWait": "0.1s"},
+                 keepAlive="3s", batching={"maxConcurrency": 1},
+                 placement={"nodes": ["a", "b"]})])
+
+
+def test_a_replicated_model_rolls_one_copy_at_a_time_losing_no_request(fleet):
+    """A changed spec: b's copy rolls first, c's waits until b serves the new spec (the
+    copies' nodes in name order); requests keep going to both, none fails."""
+    ns = fleet
+    a, b, c = ns["a"], ns["b"], ns["c"]
+    gen_c = c.status("coder")["generation"]
+    stop = threading.Event()
+    codes: list = []
+
+    def client(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            r = httpx.post(a.url + "/v1/chat/completions", timeout=120, json={
+                "model": "coder", "max_tokens": 2, "prompt_cache_key": f"roll-{i}-{n % 3}",
+                "messages": [{"role": "user", "content": "hi"}]})
+            codes.append(r.status_code if r.status_code == 200 else r.text[:200])
+
+    def done(node: Served, spec: str) -> bool:
+        s = node.status("coder") or {}
+        return s.get("specHash") == spec and s.get("ready") \
+            and s.get("observedGeneration") == s.get("generation")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        a.write("models.yaml", models_yaml({"ROLL": "2"}))
+        assert wait_for(lambda: (b.status("coder") or {}).get("specHash") !=
+                        c.status("coder")["specHash"], 30)
+        new = b.status("coder")["specHash"]
+        samples = []
+        while not (done(b, new) and done(c, new)):
+            samples.append((done(b, new), c.status("coder")["generation"] > gen_c))
+            time.sleep(0.1)
+            assert len(samples) < 1200, samples[-5:]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert not [s for s in samples if s == (False, True)]  # c never began before b was done
+    assert (False, False) in samples  # b rolled while c kept serving the old spec
+    assert any(e["reason"] == "RolloutWaiting" for e in c.status("coder")["events"])
+    assert codes and set(codes) == {200}, Counter(map(str, codes))
+    print(f"\nmeasured: a rollout of 2 copies under 4 clients: {len(codes)} requests, none "
+          f"failed; {len(samples) * 0.1:.1f} s+ from the change to both copies done")
+
+
+def test_when_a_copys_node_dies_its_sessions_go_on_from_the_other(fleet):
+    """Kill c: its sessions go on from b (one miss: b never saw them, then hits again);
+    the ones that entered through c point at a instead, as a client would."""
+    ns, sessions = fleet, SESSIONS_RUN
+    assert sessions, "runs after the sessions test"
     on_c = [s for s in sessions if s.turns[-1]["node"] == "c"]
     ns["c"].proc.send_signal(signal.SIGKILL)
     ns["c"].proc.wait()

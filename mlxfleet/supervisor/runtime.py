@@ -406,6 +406,7 @@ class ModelRuntime(ServedModel, StatusRecord, MemoryAccount):
             "labels": dict(self.manifest.metadata.labels), "file": self.file,
             "phase": self.phase.value, "ready": self.ready, "loaded": self.holds_memory,
             "generation": self.generation, "observedGeneration": self.observed_generation,
+            "specHash": self.manifest.worker_hash(),
             "restarts": self.restarts, "pid": w.pid if w and w.alive else None,
             "memoryBytes": self.memory_bytes(), "lastError": self.last_error,
             "inflight": self.inflight, "waiting": self.waiters,

@@ -148,6 +148,7 @@ class Supervisor(FleetMembership):
 
             self.fleet = Fleet(settings.node, settings)
         self.remote: dict[str, Any] = {}  # RemoteModel by name
+        self._waiting_roll: dict[str, str] = {}  # replicated model -> spec it waits to roll
         self._wanted: dict[str, LoadedManifest] = {}  # every model of the folder
         self._last_good_nodes: dict[str, list[NodeManifest]] = {}
         self._estimates: dict[str, int] = {}
@@ -461,6 +462,8 @@ class Supervisor(FleetMembership):
                              ", ".join(rt.rank[1]))
                 self._spawn(self._fetch(rt))
                 self.dispatch(Added(key, self._facts(rt)))
+            elif action is Action.REPLACE and self._rolls_after_another(name, lm):
+                continue  # the next fleet poll asks again
             elif action in (Action.KEEP, Action.REPLACE):
                 rt = self.models[name]
                 moved = lm.manifest.source_changed(rt.manifest)
@@ -479,6 +482,33 @@ class Supervisor(FleetMembership):
         for rt in self.models.values():
             errs = self.file_errors.get(rt.file)
             rt.set_manifest_error("; ".join(map(str, errs)) if errs else None)
+
+    def _rolls_after_another(self, name: str, lm: LoadedManifest) -> bool:
+        """A replicated model rolls one copy at a time, in the order of its nodes' names:
+        this node's copy waits while a copy on a node before it (one that answers) has not
+        yet served the new spec. The others keep serving meanwhile."""
+        fleet = self.fleet
+        placed = fleet.placements.get(name) if fleet is not None else None
+        if placed is None or not placed.replicas:
+            return False
+        new = lm.manifest.worker_hash()
+        for node in placed.nodes:
+            if node >= fleet.me:
+                break
+            peer = fleet.peers.get(node)
+            if peer is None or peer.failures or peer.last_ok is None:
+                continue  # a node that does not answer holds nobody's rollout up
+            st = next((m for m in (peer.report or {}).get("models") or []
+                       if m.get("name") == name), None)
+            if st is None or st.get("specHash") != new or not st.get("ready") \
+                    or st.get("observedGeneration") != st.get("generation"):
+                if self._waiting_roll.get(name) != new:
+                    self._waiting_roll[name] = new
+                    self.models[name].event("Normal", "RolloutWaiting", f"rolls after "
+                                            f"the copy on node {node} serves the new spec")
+                return True
+        self._waiting_roll.pop(name, None)
+        return False
 
     def _delete(self, name: str) -> None:
         rt = self.models.pop(name)
