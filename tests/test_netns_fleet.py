@@ -139,7 +139,7 @@ def _silent(ns, go_silent, come_back, what: str) -> None:
         t = None
         try:
             with httpx.stream("POST", a.url + "/v1/chat/completions", timeout=120, json={
-                    "model": "on-c", "max_tokens": 4000, "stream": True,
+                    "model": "on-c", "max_tokens": 1500, "stream": True, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "count"}]}) as r:
                 for line in r.iter_lines():
                     if t is None:
@@ -156,6 +156,7 @@ def _silent(ns, go_silent, come_back, what: str) -> None:
     assert wait_for(lambda: "first" in ended, 30), ended
     t0 = time.monotonic()
     go_silent()
+    assert "at" not in ended, ended  # (it streams 1,500 tokens: still going)
     first_503 = None
     try:
         while time.monotonic() - t0 < GRACE - 0.5:
