@@ -390,7 +390,8 @@ def meta(args) -> dict:
     return {"python": platform.python_version(), "platform": platform.platform(),
             "machine": platform.machine(), "cpus": os.cpu_count(), "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__, "blas": BLAS, "model": args.model,
-            "backend": (lambda a: f"{a.kind} ({a.name})")(this_node()),
+            "backend": (lambda a: a.kind if a.name == a.kind else f"{a.kind} ({a.name})")(
+                this_node()),
             "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
 
 
