@@ -164,3 +164,52 @@ def test_a_cancelled_request_leaves_its_prefill_for_the_retry(start_worker):
                                                      "max_tokens": 1}).json()
     usage = again["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage
+
+
+def test_the_trie_search_answers_as_mlx_lms_without_walking_every_entry():
+    """The bounded search gives mlx_lm's exact, shorter and common prefix, and a stored
+    extension for ``longer`` (any: they reuse the same prefix), visiting only the path
+    to it: mlx_lm's walked every stored token below the point where the prompt leaves
+    the trie, on every lookup."""
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+
+    from mlxfleet.worker.prompt_cache import _trie
+
+    rng = random.Random(7)
+    ours, theirs = _trie(), PromptTrie()
+    stored = []
+    opening = [1, 2, 3, 4]  # a chat template's opening, shared by every prompt
+    for _ in range(300):
+        toks = opening + [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        stored.append(toks)
+        ours.add("s", toks, "v")
+        theirs.add("s", toks, "v")
+    for _ in range(500):
+        q = rng.choice(stored)[:rng.randrange(1, 16)] + [rng.randrange(6)
+                                                         for _ in range(rng.randrange(3))]
+        a, b = ours.search("s", q), theirs.search("s", q)
+        assert (a.exact, a.shorter, a.common_prefix) == (b.exact, b.shorter, b.common_prefix)
+        assert (a.longer is None) == (b.longer is None)
+        if a.longer is not None:
+            assert a.longer in stored and a.longer[:a.common_prefix] == q[:a.common_prefix]
+
+    class Counting(dict):  # how many trie nodes a lookup reads
+        reads = 0
+
+        def __getitem__(self, k):
+            Counting.reads += 1
+            return dict.__getitem__(self, k)
+
+    deep = _trie()
+    deep._trie["s"] = root = Counting()
+    for i in range(2000):  # 2,000 prompts of 40 tokens, all past a shared opening
+        node = root
+        for tok in [1, 2, 3, i] + list(range(100, 136)):
+            node = node.setdefault(tok, Counting())
+        node["__value__"] = "v"
+    Counting.reads = 0
+    found = deep.search("s", [1, 2, 3, 99999])
+    assert found.longer is not None and found.common_prefix == 3
+    assert Counting.reads < 100  # (mlx_lm's reads all 80,000)
