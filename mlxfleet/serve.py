@@ -57,12 +57,8 @@ async def serve(settings: ServerSettings) -> None:
                  settings.port, supervisor.manifests_dir)
         if node_listener is not None:  # after the supervisor: the other nodes' requests
             host, port, tls = node_listener  # need it
-            node_server.append(_Server(uvicorn.Config(
-                app, host=host, port=port, http=_head_timeout(settings.header_timeout),
-                lifespan="off", timeout_graceful_shutdown=settings.drain_timeout,
-                timeout_keep_alive=75, access_log=False, log_config=None,
-                server_header=False, ws="none", proxy_headers=False,
-                **tls.server_options())))
+            node_server.append(_Server(_config(app, settings, host, port, lifespan="off",
+                                               **tls.server_options())))
             node_task.append(asyncio.create_task(node_server[0].serve()))
             log.info("node %s: the fleet's nodes reach it on https://%s:%s (mutual TLS, "
                      "fleet CA %s)", settings.node, host, port, tls.ca)
@@ -77,19 +73,24 @@ async def serve(settings: ServerSettings) -> None:
         if mcp is not None:
             await mcp.stop()
 
-    # uvicorn with httptools: the cheapest server for the hop every request takes
-    # (benchmarks/hop.py; Hypercorn's h11 parsing cost ~0.6 ms more per request here).
-    server = _Server(uvicorn.Config(
-        app, host=settings.host, port=settings.port, http=_head_timeout(settings.header_timeout),
-        lifespan="on",
-        timeout_graceful_shutdown=settings.drain_timeout, timeout_keep_alive=75,
-        access_log=False, log_config=None, server_header=False, ws="none",
-        proxy_headers=False))  # the peer address is the client's, as before
+    server = _Server(_config(app, settings, settings.host, settings.port, lifespan="on"))
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # ours says where we are
     watch = asyncio.create_task(stop.wait())
     watch.add_done_callback(lambda _: [setattr(x, "should_exit", True)
                                        for x in (server, *node_server)])
     await server.serve()
+
+
+def _config(app: Any, settings: ServerSettings, host: str, port: int,
+            **extra: Any) -> uvicorn.Config:
+    """A listener of the gateway's app: the client port, or the TLS node port (``extra``:
+    lifespan, TLS). uvicorn with httptools: the cheapest server for the hop every request
+    takes (benchmarks/hop.py; Hypercorn's h11 parsing cost ~0.6 ms more per request)."""
+    return uvicorn.Config(
+        app, host=host, port=port, http=_head_timeout(settings.header_timeout),
+        timeout_graceful_shutdown=settings.drain_timeout, timeout_keep_alive=75,
+        access_log=False, log_config=None, server_header=False, ws="none",
+        proxy_headers=False, **extra)  # the peer address is the client's, as before
 
 
 def _head_timeout(seconds: float) -> type:

@@ -74,10 +74,15 @@ def test_sessions_stay_on_their_copy_split_within_the_bound_and_spill_when_full(
     without moving its session; a copy going away moves only its sessions."""
     from types import SimpleNamespace
 
+    from mlxfleet.manifest import NodeManifest
+    from mlxfleet.supervisor.fleet import Peer
     from mlxfleet.supervisor.replicas import ReplicaRouter
 
     def peer(holds=("m",), inflight=0):
-        return SimpleNamespace(failures=0, last_ok=1.0, rejects=False, report={
+        node = NodeManifest.model_validate({"apiVersion": "mlxfleet/v1", "kind": "Node",
+                                            "metadata": {"name": "n"},
+                                            "spec": {"url": "http://n:8000"}})
+        return Peer(node, last_ok=1.0, report={
             "holds": list(holds), "models": [{"name": "m", "inflight": inflight}]})
 
     fleet = SimpleNamespace(me="a", peers={"b": peer(), "c": peer()})

@@ -64,6 +64,18 @@ class Peer:
     def name(self) -> str:
         return self.manifest.name
 
+    @property
+    def answers(self) -> bool:
+        """It answered its last poll, with this fleet's key and certificate."""
+        return self.failures == 0 and self.last_ok is not None and not self.rejects
+
+    def model(self, name: str) -> dict:
+        """Its last reported status of its model ``name`` (empty: none reported)."""
+        for st in (self.report or {}).get("models") or []:
+            if isinstance(st, dict) and st.get("name") == name:
+                return st
+        return {}
+
 
 class Fleet:
     """The fleet as seen from node ``me``: membership, health and placement inputs."""
@@ -157,9 +169,7 @@ class Fleet:
     def answering(self) -> list[str]:
         """The nodes this one reaches now (itself included): part of its report, so that
         a node that cannot reach a model's node finds one that can (``relay_for``)."""
-        return sorted([self.me] + [n for n, p in self.peers.items()
-                                   if p.failures == 0 and p.last_ok is not None
-                                   and not p.rejects])
+        return sorted([self.me] + [n for n, p in self.peers.items() if p.answers])
 
     def relay_for(self, model: str) -> Optional[str]:
         """A node that answers this one and, by its last report, reaches a node it places
@@ -167,7 +177,7 @@ class Fleet:
         the model's node itself (a one-way partition: a cannot see c, b sees both; or
         views that disagree). None when there is no such node."""
         for name, p in sorted(self.peers.items()):
-            if p.failures or p.last_ok is None or p.rejects or not p.report:
+            if not p.answers or not p.report:
                 continue
             placed = (p.report.get("placement") or {}).get(model) or []
             holder = placed[0] if placed and isinstance(placed, list) else None
@@ -234,14 +244,11 @@ class Fleet:
             return None
         items = []
         for node in p.nodes:
-            st: dict = {}
             if node == self.me:
                 st = own or {}
             else:
                 peer = self.peers.get(node)
-                for m in ((peer.report or {}).get("models") or []) if peer else []:
-                    if m.get("name") == model:
-                        st = m
+                st = peer.model(model) if peer is not None else {}
                 if peer is None or peer.failures or peer.last_ok is None:
                     st = {**st, "phase": "Unknown", "ready": False}
             items.append({"node": node, "phase": st.get("phase", "Unknown"),

@@ -171,10 +171,7 @@ class RemoteModel(ServedModel):
     def reported(self) -> dict:
         """The serving node's last status of this model (empty before it reports)."""
         p = self.fleet.peers.get(self.node or "")
-        for st in ((p.report or {}).get("models") or []) if p else []:
-            if st.get("name") == self.name:
-                return st
-        return {}
+        return p.model(self.name) if p is not None else {}
 
     @property
     def phase(self) -> ModelPhase:

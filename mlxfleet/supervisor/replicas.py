@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -70,25 +70,35 @@ def pick(key: str, replicas: Sequence[Replica], bound: float = BOUND) -> Optiona
 
 
 class _Live:
-    """Keys seen lately, each with a value and when it was last seen (LRU, TTL)."""
+    """(model, session) keys seen lately, each with a value and when it was last seen
+    (LRU, TTL), and how many each (model, value) has: counted as they come and go, as
+    routing asks on every request."""
 
     def __init__(self) -> None:
-        self.items: OrderedDict[Any, tuple[Any, float]] = OrderedDict()
+        self.items: OrderedDict[tuple[str, str], tuple[Any, float]] = OrderedDict()
+        self.counts: Counter[tuple[str, Any]] = Counter()
 
-    def put(self, key: Any, value: Any, now: float) -> None:
+    def put(self, key: tuple[str, str], value: Any, now: float) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.counts[(key[0], old[0])] -= 1
         self.items[key] = (value, now)
-        self.items.move_to_end(key)
-        while self.items and (len(self.items) > _SESSIONS
-                              or now - next(iter(self.items.values()))[1] > SESSION_TTL):
-            self.items.popitem(last=False)
+        self.counts[(key[0], value)] += 1
+        self.expire(now, _SESSIONS)
 
-    def get(self, key: Any, now: float) -> Any:
+    def expire(self, now: float, most: int = _SESSIONS) -> None:
+        while self.items and (len(self.items) > most
+                              or now - next(iter(self.items.values()))[1] > SESSION_TTL):
+            (model, _), (value, _) = self.items.popitem(last=False)
+            self.counts[(model, value)] -= 1
+
+    def get(self, key: tuple[str, str], now: float) -> Any:
         got = self.items.get(key)
         return got[0] if got is not None and now - got[1] <= SESSION_TTL else None
 
-    def count(self, pred, now: float) -> int:
-        return sum(1 for k, (v, t) in self.items.items() if now - t <= SESSION_TTL
-                   and pred(k, v))
+    def count(self, model: str, value: Any, now: float) -> int:
+        self.expire(now)
+        return self.counts[(model, value)]
 
 
 def max_concurrency(manifest: Any) -> int:
@@ -115,12 +125,8 @@ class ReplicaRouter:
 
     def sessions(self) -> dict[str, int]:
         """Live sessions per model on this node's copies (its report carries it)."""
-        now = time.monotonic()
-        out: dict[str, int] = {}
-        for (model, _), (_, t) in self._served.items.items():
-            if now - t <= SESSION_TTL:
-                out[model] = out.get(model, 0) + 1
-        return out
+        self._served.expire(time.monotonic())
+        return {model: n for (model, _), n in self._served.counts.items() if n > 0}
 
     def route(self, model: Any, nodes: Sequence[str], key: str, local: Any,
               max_concurrency: int) -> Any:
@@ -146,16 +152,15 @@ class ReplicaRouter:
         return self._remote_copy(model, node)
 
     def _replica(self, name: str, node: str, local: Any, now: float) -> Replica:
-        mine = self._assigned.count(lambda k, v: k[0] == name and v == node, now)
+        mine = self._assigned.count(name, node, now)
         if node == self.fleet.me:
-            here = self._served.count(lambda k, v: k[0] == name, now)
+            here = self._served.count(name, True, now)
             return Replica(node, max(here, mine), local is not None)
         p = self.fleet.peers.get(node)
         # up: it answers, and says itself that it holds a copy (a copy just placed there
         # by this node's view is not sent requests until that node's view agrees)
         rep = (p.report or {}) if p is not None else {}
-        up = p is not None and p.failures == 0 and p.last_ok is not None and not p.rejects \
-            and name in (rep.get("holds") or ())
+        up = p is not None and p.answers and name in (rep.get("holds") or ())
         try:
             reported = int((rep.get("sessions") or {}).get(name) or 0)
         except (TypeError, ValueError, AttributeError):
@@ -166,10 +171,8 @@ class ReplicaRouter:
         if node == self.fleet.me:
             return (local.inflight + local.waiters) if local is not None else 0
         p = self.fleet.peers.get(node)
-        reported = 0
-        for st in ((p.report or {}).get("models") or []) if p is not None else []:
-            if st.get("name") == name:
-                reported = int(st.get("inflight") or 0) + int(st.get("waiting") or 0)
+        st = p.model(name) if p is not None else {}
+        reported = int(st.get("inflight") or 0) + int(st.get("waiting") or 0)
         mine = self._remote.get((name, node))
         sent = mine.worker.inflight if mine is not None and mine.worker is not None else 0
         return max(reported, sent)

@@ -496,11 +496,10 @@ class Supervisor(FleetMembership):
             if node >= fleet.me:
                 break
             peer = fleet.peers.get(node)
-            if peer is None or peer.failures or peer.last_ok is None:
+            if peer is None or not peer.answers:
                 continue  # a node that does not answer holds nobody's rollout up
-            st = next((m for m in (peer.report or {}).get("models") or []
-                       if m.get("name") == name), None)
-            if st is None or st.get("specHash") != new or not st.get("ready") \
+            st = peer.model(name)
+            if st.get("specHash") != new or not st.get("ready") \
                     or st.get("observedGeneration") != st.get("generation"):
                 if self._waiting_roll.get(name) != new:
                     self._waiting_roll[name] = new
