@@ -704,6 +704,12 @@ class Engine:
                                    longest, longest + min(p.max_tokens, RESERVE_TOKENS))
         self._reserved += need * len(uids)
 
+    def _first_token(self, gen: Generation) -> None:
+        """``gen`` has its first token: it is generating, and its wait counts in the
+        median time to first token (``ttft_p50_s``)."""
+        gen.phase, gen.first_token_at = "generation", time.monotonic()
+        self._waits.append((gen.first_token_at, gen.first_token_at - gen.submitted_at))
+
     def _count_request(self, gen: Generation) -> None:
         self.stats.requests_total += 1
         self.stats.prompt_tokens_total += sum(len(pr) for pr in gen.prompts) * gen.n
@@ -755,8 +761,8 @@ class Engine:
         reason = "stop" if not p.ignore_eos and token in self.tokenizer.eos_token_ids else \
             "length" if p.max_tokens <= 1 else None
         text = decoder.feed(token, reason)
-        gen.generated, gen.phase, gen.first_token_at = 1, "generation", time.monotonic()
-        self._waits.append((gen.first_token_at, gen.first_token_at - gen.submitted_at))
+        gen.generated = 1
+        self._first_token(gen)
         self._post([(gen, TokenEvent(0, token, text, decoder.finish_reason,
                                      decoder.stop_sequence))])
         if decoder.finish_reason is None:
@@ -857,8 +863,7 @@ class Engine:
         if seq.length > seq.reserved_length and r.finish_reason is None:
             self._grow(seq)
         if gen.first_token_at is None:
-            gen.phase, gen.first_token_at = "generation", time.monotonic()
-            self._waits.append((gen.first_token_at, gen.first_token_at - gen.submitted_at))
+            self._first_token(gen)
         if r.finish_reason is not None:
             del self._seqs[r.uid]
             self._reserved -= seq.reserved
