@@ -38,6 +38,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import ssl
 import time
@@ -51,6 +52,7 @@ JOIN_ROUTE = "/mlxfleet/v1/join"
 #: certificate (None on a connection without one: the client listener).
 SCOPE_NODE = "mlxfleet.node"
 CA_YEARS, NODE_YEARS = 10, 3
+_HEX = re.compile(r"[0-9a-f]+")  # a nonce as sent: bytes.fromhex must take it
 TOKEN_TTL = 24 * 3600.0
 
 
@@ -306,6 +308,12 @@ def _mac(secret: str, *parts: str) -> str:
     return hmac.new(secret.encode(), "\n".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
+def _same(a: str, b: str) -> bool:
+    """Constant-time equality of two strings, whatever they hold (``compare_digest``
+    raises on non-ASCII ones: a 500 for a hostile join request)."""
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
 def _sealer(secret: str, nonce: str):
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -361,7 +369,7 @@ def answer_join(dir: Path, body: Any) -> dict:
         raise FleetTLSError("unknown or expired join token (make one with "
                             "`mlxfleet fleet token` on the CA node)", 401)
     secret = str(entry["secret"])
-    if len(nonce) != 32 or not hmac.compare_digest(
+    if not (_HEX.fullmatch(nonce) and len(nonce) == 32) or not _same(
             _mac(secret, "join", node, nonce, _sha(body["csr"])), body["mac"]):
         raise FleetTLSError("the join request is not MACed with the token's secret", 401)
     try:
@@ -397,11 +405,11 @@ def finish_join(dir: Path, token: str, pinned: str, sent: dict, node_key: bytes,
         raise FleetTLSError("the answer is not a join answer")
     want = _mac(secret, "joined", node, nonce, _sha(answer["ca"]), _sha(answer["cert"]),
                 answer["key"])
-    if not hmac.compare_digest(want, answer["mac"]):
+    if not _same(want, answer["mac"]):
         raise FleetTLSError("the answer is not MACed with the token's secret: whoever "
                             "answered does not hold the token (not the fleet's CA node?)")
     got = ca_hash(answer["ca"].encode())
-    if not hmac.compare_digest(got, pinned.strip().lower()):
+    if not _same(got, pinned.strip().lower()):
         raise FleetTLSError(f"the fleet's CA hashes to {got}, not the pinned {pinned}: "
                             "refused, nothing written")
     ca = x509.load_pem_x509_certificate(answer["ca"].encode())

@@ -163,6 +163,16 @@ def test_a_join_needs_the_token_and_the_pinned_ca(fleet, tmp_path):
               "--fleet-dir", str(tmp_path / "c2"))
     assert bad.returncode == 1 and "not the pinned" in bad.stderr, bad.stderr
     assert not (tmp_path / "c2").exists()  # nothing written
+    # hostile join requests: a clear 4xx in the protocol's shape, never a 500
+    good = fleet_tls.join_request(token, "c")[0]
+    for bad_body, status in [({**good, "mac": "é" * 64}, 401), ({**good, "nonce": "zz" * 16}, 401),
+                             ({**good, "node": "../../x"}, 400), ({**good, "csr": 7}, 400),
+                             ({"node": "c"}, 400), ([1, 2], 400)]:
+        r = httpx.post(a.url + fleet_tls.JOIN_ROUTE, json=bad_body, timeout=10)
+        assert r.status_code == status and r.json()["error"]["code"] == "join_refused", \
+            (bad_body, r.status_code, r.text)
+    r = httpx.post(a.url + fleet_tls.JOIN_ROUTE, content=b"not json", timeout=10)
+    assert r.status_code == 400, r.text
     # a node that does not hold the CA cannot sign joins
     r = httpx.post(ns["b"].url + fleet_tls.JOIN_ROUTE, json=fleet_tls.join_request(
         token, "c")[0], timeout=10)
