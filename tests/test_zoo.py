@@ -16,6 +16,8 @@ from conftest import free_port
 from served import in_parallel
 
 from mlxfleet.builtin import builtin_cache_dir
+from mlxfleet.worker.model_facts import kv_cost
+from mlxfleet.worker.policy import AdmissionPolicy
 from mlxfleet.zoo import FAMILIES, build
 
 N = 12  # tokens generated per request
@@ -98,11 +100,20 @@ def start(start_worker, path, *extra, config=None):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_family_gives_mlx_lm_tokens_alone_again_longer_batched_and_after_a_restart(
+def test_a_family_gives_mlx_lm_tokens_alone_again_longer_batched_and_from_disk(
         family, zoo_root, start_worker, tmp_path):
     path = build(family, zoo_root)
     model, tok, alone = reference(str(path))
-    disk = {"disk_cache_bytes": 1 << 30, "disk_cache_dir": str(tmp_path / "disk")}
+    # A KV budget the four prompts below fill while they run: every retained prompt cache
+    # leaves memory for the disk tier then, and the last request reads it back. (The disk
+    # tier's files outliving the worker is tested once, in test_disk_cache.py: what is
+    # per family is the round trip of its caches.)
+    cost = kv_cost(model)
+    policy = AdmissionPolicy(1, cost.per_token, 1, kv_windows=cost.windows,
+                             kv_fixed=cost.fixed, prefill_step=512)
+    budget = sum(policy.need(len(p), N) for p in batch_prompts(tok))
+    disk = {"disk_cache_bytes": 1 << 30, "disk_cache_dir": str(tmp_path / "disk"),
+            "cache_bytes": budget}
     w = start(start_worker, path, config=disk)
     first = chat(w, HELLO)
     prompt = tuple(first["prompt_token_ids"])
@@ -133,11 +144,10 @@ def test_a_family_gives_mlx_lm_tokens_alone_again_longer_batched_and_after_a_res
     # Speculation where every cache can be cut back to a row's length.
     assert paths["speculation"].startswith("off") != kv_only(path), paths["speculation"]
     assert (status["speculation"] is None) != kv_only(path)
-    w.stop()  # the disk tier keeps the prompt cache for the next worker
-    w = start(start_worker, path, config=disk)
     back = chat(w, HELLO)
     assert back["choices"][0]["token_ids"] == alone(prompt), "from the disk tier"
     assert cached(back) >= 32
+    assert w.status()["prompt_cache"]["disk_hits"] >= 1
     w.stop()
 
 
@@ -206,9 +216,6 @@ def test_the_kv_estimate_is_what_a_sequence_holds(family, zoo_root):
     windows (bounded), hybrids (constant state beside attention) it must be what the
     cache really holds after a long prompt (512 tokens: whole allocation steps)."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlxfleet.worker.model_facts import kv_cost
-    from mlxfleet.worker.policy import AdmissionPolicy
 
     model = reference(str(build(family, zoo_root)))[0]
     cost = kv_cost(model)
@@ -376,7 +383,6 @@ def test_a_family_with_a_quantized_kv_cache_gives_mlx_lm_quantized_tokens(
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlxfleet.worker.model_facts import kv_cost
     from mlxfleet.worker.quantized_cache import quantization_group
 
     path = build(family, zoo_root, head_dim=32)  # (quantization groups are 32 or more)
