@@ -4,6 +4,7 @@ names what moved (pyproject pins the tested range)."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 
@@ -66,3 +67,60 @@ def test_text_state_machine_finds_stop_strings():
     state, more = TextStateMachine.split(state, "Dxyz")
     text = "".join(t for s, t in segments + more if s is not None)
     assert text == "abc" and state[0] is None
+
+
+def test_mlx_lm_reads_tokenizer_json_only_as_far_as_its_decoder(monkeypatch):
+    """Workers start without parsing the vocabulary in tokenizer.json a first time
+    (tokenizer_json.py): mlx-lm's loader still gets the detokenizer it would pick, and if
+    mlx-lm stops reading the file through its module's ``json.load``, this says so."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxfleet.sources import resolve_source
+    from mlxfleet.worker import tokenizer_json
+
+    read, members_of = [], tokenizer_json.leading_members
+
+    def spy(text, wanted):
+        read.append(members := members_of(text, wanted))
+        return members
+
+    monkeypatch.setattr(tokenizer_json, "leading_members", spy)
+    path = resolve_source("builtin:tiny")
+    whole = load_tokenizer(path)
+    with tokenizer_json.quick_tokenizer_json():
+        quick = load_tokenizer(path)
+    assert read and "decoder" in read[0] and "model" not in read[0], read
+    assert type(quick.detokenizer) is type(whole.detokenizer)
+    assert quick.encode("Hello there") == whole.encode("Hello there")
+    from mlx_lm import tokenizer_utils
+
+    assert tokenizer_utils.json is json  # put back after the load
+
+
+@pytest.mark.parametrize("text, members", [
+    ('{"version": "1.0", "decoder": {"type": "ByteLevel"}, "model": {"vocab": {"a": 1}}}',
+     {"version": "1.0", "decoder": {"type": "ByteLevel"}}),
+    ('{"model": {"vocab": {"decoder": 1}}, "decoder": null}',  # after the model: all of it
+     {"model": {"vocab": {"decoder": 1}}, "decoder": None}),
+    ('{"model": {}}', None),  # none: the file is read whole, as mlx-lm would
+    ('{"decoder": {"type": "Metaspace", "replacement": "\\u2581"}, "model": {"vocab": {"a',
+     {"decoder": {"type": "Metaspace", "replacement": "\u2581"}}),  # cut past it: enough
+    ('{"version": "1.0", "decoder": {"type": "Metasp', None),  # cut inside it
+    ('[1, 2]', None),
+])
+def test_leading_members_stop_at_the_one_wanted(text, members):
+    from mlxfleet.worker.tokenizer_json import leading_members
+
+    assert leading_members(text, "decoder") == members
+
+
+def test_a_tokenizer_json_laid_out_otherwise_is_read_whole(tmp_path):
+    from mlxfleet.worker.tokenizer_json import load_tokenizer_json
+
+    whole = {"model": {"vocab": {"é": 0}}, "decoder": {"type": "ByteLevel"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(whole, ensure_ascii=False))
+    with open(tmp_path / "tokenizer.json", encoding="utf-8") as fp:
+        assert load_tokenizer_json(fp) == whole
+    (tmp_path / "other.json").write_text('{"decoder": 1, "model": 2}')
+    with open(tmp_path / "other.json", encoding="utf-8") as fp:
+        assert load_tokenizer_json(fp) == {"decoder": 1, "model": 2}

@@ -27,11 +27,11 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def marker_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the markers tool-call and reasoning parsers read (``formats.MARKERS``)."""
+def marker_ids(vocab: dict[str, int]) -> frozenset[int]:
+    """The ids of the markers tool-call and reasoning parsers read (``formats.MARKERS``),
+    in the tokenizer's ``vocab`` (its ``get_vocab()``)."""
     from ..formats import MARKERS
 
-    vocab = tokenizer.get_vocab()
     return frozenset(vocab[m] for m in MARKERS if m in vocab)
 
 

@@ -59,6 +59,7 @@ from .prompt_cache import PromptCache, compact
 from .prompts import template_style
 from .sampling import Samplers, SamplingParams, logits_processors
 from .speculative import DraftModel, Speculator, unsupported
+from .tokenizer_json import quick_tokenizer_json
 from .vocab import additive_mask, mask_unknown_ids, unknown_ids
 
 log = logging.getLogger("mlxfleet.engine")
@@ -250,14 +251,54 @@ class Engine:
 
     def _load(self) -> None:
         import mlx.core as mx
-        from mlx_lm import load
 
-        from ..sources import is_vision_checkpoint, resolve_source
+        from ..sources import resolve_source
 
         t0 = time.monotonic()
         path = resolve_source(self.source, revision=self.config.revision)
         self.model_path = str(path)
         trust = {"trust_remote_code": self.config.trust_remote_code}
+        with quick_tokenizer_json():
+            model, tokenizer, config = self._load_checkpoint(path, trust)
+        self.tokenizer = tokenizer
+        self.context_length = self.config.context_length or context_length(config, tokenizer)
+        self.vocab_size = int(config.get("vocab_size")
+                              or (config.get("text_config") or {}).get("vocab_size")
+                              or len(tokenizer))
+        # rows the tokenizer has no id for: never sampled, never fed back (vocab.py)
+        vocab = tokenizer.get_vocab()  # (built anew by each call: 0.1 s for 262k ids)
+        self.unknown_ids = unknown_ids(vocab, self.vocab_size)
+        self._markers = marker_ids(vocab)  # (stay in the text even when they are special)
+        self._unknown_mask = additive_mask(self.vocab_size, self.unknown_ids)
+        if self._unknown_mask is not None:
+            model = mask_unknown_ids(model, self._unknown_mask)
+        self._model = model
+        self._stream = mx.default_stream(mx.default_device())
+        self._quantize_kv()
+        self._describe_paths(config)
+        # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
+        # model. Bound it by the KV budget so the worker's memory stays predictable.
+        mx.set_cache_limit(max(64 << 20, self.config.cache_bytes // 4))
+        # This worker's share of memory: its weights, its KV budget and room for
+        # activations. Past it MLX frees its cache and waits for work in flight before
+        # allocating more; only with no memory left does an allocation fail, and that
+        # fails the batch (see _serve), not the process.
+        self.memory_limit = (mx.get_active_memory() + self.config.cache_bytes
+                             + max(512 << 20, self.config.cache_bytes // 2))
+        mx.set_memory_limit(self.memory_limit)
+        if self.config.wired_limit_bytes and mx.metal.is_available():
+            mx.set_wired_limit(self.config.wired_limit_bytes)
+        self._init_batching()
+        self.load_seconds = time.monotonic() - t0
+        log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
+                 self.load_seconds, self.context_length)
+
+    def _load_checkpoint(self, path: Any, trust: dict) -> tuple[Any, Any, dict]:
+        """The model, its tokenizer and its config: sharded, vision or plain mlx-lm."""
+        from mlx_lm import load
+
+        from ..sources import is_vision_checkpoint
+
         if self.config.sharded:
             from .distributed import Channel, init_group, load_sharded
 
@@ -282,36 +323,7 @@ class Engine:
                                             tokenizer_config=trust)
             if hasattr(model, "attach_tokenizer"):  # the scripted model reads the text
                 model.attach_tokenizer(tokenizer)
-        self.tokenizer = tokenizer
-        self.context_length = self.config.context_length or context_length(config, tokenizer)
-        self.vocab_size = int(config.get("vocab_size")
-                              or (config.get("text_config") or {}).get("vocab_size")
-                              or len(tokenizer))
-        # rows the tokenizer has no id for: never sampled, never fed back (vocab.py)
-        self.unknown_ids = unknown_ids(tokenizer, self.vocab_size)
-        self._unknown_mask = additive_mask(self.vocab_size, self.unknown_ids)
-        if self._unknown_mask is not None:
-            model = mask_unknown_ids(model, self._unknown_mask)
-        self._model = model
-        self._stream = mx.default_stream(mx.default_device())
-        self._quantize_kv()
-        self._describe_paths(config)
-        # MLX keeps freed buffers for reuse; unbounded, that cache alone can outgrow the
-        # model. Bound it by the KV budget so the worker's memory stays predictable.
-        mx.set_cache_limit(max(64 << 20, self.config.cache_bytes // 4))
-        # This worker's share of memory: its weights, its KV budget and room for
-        # activations. Past it MLX frees its cache and waits for work in flight before
-        # allocating more; only with no memory left does an allocation fail, and that
-        # fails the batch (see _serve), not the process.
-        self.memory_limit = (mx.get_active_memory() + self.config.cache_bytes
-                             + max(512 << 20, self.config.cache_bytes // 2))
-        mx.set_memory_limit(self.memory_limit)
-        if self.config.wired_limit_bytes and mx.metal.is_available():
-            mx.set_wired_limit(self.config.wired_limit_bytes)
-        self._init_batching()
-        self.load_seconds = time.monotonic() - t0
-        log.info("loaded %s from %s in %.2fs (context %s)", self.source, path,
-                 self.load_seconds, self.context_length)
+        return model, tokenizer, config
 
     def _quantize_kv(self) -> None:
         """``spec.cache.kvBits``: the model's caches become quantized ones where it can
@@ -381,7 +393,8 @@ class Engine:
 
         from ..sources import resolve_source
 
-        model, tokenizer = load(str(resolve_source(source)))
+        with quick_tokenizer_json():
+            model, tokenizer = load(str(resolve_source(source)))
         if hasattr(model, "attach_tokenizer"):  # (builtin:scripted)
             model.attach_tokenizer(tokenizer)
         if tokenizer.get_vocab() != self.tokenizer.get_vocab():
@@ -432,8 +445,7 @@ class Engine:
         self._samplers = Samplers()
         self._pending: collections.deque[Generation] = collections.deque()
         self._no_stop = StopSequences(None)
-        # (markers the output parsers read stay in the text even when they are special)
-        self._special = special_token_ids(self.tokenizer) - marker_ids(self.tokenizer)
+        self._special = special_token_ids(self.tokenizer) - self._markers
         self._reserved = 0
         self.prompt_cache = self._new_prompt_cache()
         if cfg.sharded and cfg.dist_rank == 0:

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 
-def unknown_ids(tokenizer: Any, rows: int) -> frozenset[int]:
-    """The ids below ``rows`` (the model's logits) that the tokenizer has no token for."""
-    known = {i for i in tokenizer.get_vocab().values() if 0 <= i < rows}
+def unknown_ids(vocab: dict[str, int], rows: int) -> frozenset[int]:
+    """The ids below ``rows`` (the model's logits) that the tokenizer's ``vocab`` (its
+    ``get_vocab()``) has no token for."""
+    known = {i for i in vocab.values() if 0 <= i < rows}
     return frozenset(range(rows)) - known if len(known) < rows else frozenset()
 
 
