@@ -12,6 +12,9 @@ drafts perfectly. Two workloads:
 - **edit**: "rename `total` to `result` in this code and write it out": the answer is
   the code with the rename (what a coding agent's edit looks like).
 - **chat**: a question whose answer is prose the prompt does not contain.
+- **sampled**: the chat questions at temperature 0.8, top_p 0.95: each drafted token is
+  accepted with the probability the sampler gives it (speculative sampling). The script's
+  token takes nearly all of the probability, so the answers are still the script's.
 
 mlx_lm.server's draft mode, and mlxfleet's (``--draft-model``), get a draft model with
 the same script (its drafts are always right: the best case) and a fifth of the
@@ -80,7 +83,11 @@ def workloads(n: int) -> dict[str, list[tuple[str, str]]]:
              f"```python\n{code(i).replace('total', 'result')}```") for i in range(n)]
     chat = [(f"Question {i}: what do you see from the old bridge in the morning?",
              prose(i)) for i in range(n)]
-    return {"edit": edit, "chat": chat}
+    return {"edit": edit, "chat": chat, "sampled": chat}
+
+
+#: Sampling parameters per workload (greedy where not named).
+SAMPLING = {"sampled": {"temperature": 0.8, "top_p": 0.95}}
 
 
 def checkpoint(tmp: Path, name: str, ballast: list[int], pairs: list[tuple[str, str]]
@@ -97,7 +104,7 @@ def checkpoint(tmp: Path, name: str, ballast: list[int], pairs: list[tuple[str, 
 
 
 async def round_of(url: str, model: str, pairs: list[tuple[str, str]],
-                   timeout: float = 300) -> dict:
+                   sampling: dict | None = None, timeout: float = 300) -> dict:
     """All prompts at once; output tokens per second over the round (requests that took
     longer than ``timeout`` count as failed)."""
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as c:
@@ -106,7 +113,7 @@ async def round_of(url: str, model: str, pairs: list[tuple[str, str]],
                 try:
                     r = await c.post("/v1/chat/completions", json={
                         "model": model, "messages": [{"role": "user", "content": prompt}],
-                        "max_tokens": 600, "temperature": 0})
+                        "max_tokens": 600, **(sampling or {"temperature": 0})})
                     break
                 except (httpx.ReadError, httpx.ConnectError, httpx.RemoteProtocolError):
                     # mlx_lm.server's listen backlog (5) resets connections past it
@@ -181,13 +188,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--ballast", type=int, nargs=2, default=[768, 64])
     ap.add_argument("--draft-tokens", type=int, default=8)
-    ap.add_argument("--workloads", nargs="+", default=["edit", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["edit", "chat", "sampled"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds per server and cell "
                     "(alternating order; the best counts)")
     args = ap.parse_args()
     n = max(args.streams)
     work = workloads(n)
-    everything = [p for pairs in work.values() for p in pairs]
+    everything = work["edit"] + work["chat"]
     tmp = Path(tempfile.mkdtemp(prefix="mlxfleet-spec-"))
     target = checkpoint(tmp, "target", args.ballast, everything)
     draft = checkpoint(tmp, "draft", [args.ballast[0], max(1, args.ballast[1] // 5)],
@@ -237,7 +244,8 @@ def main() -> None:
                     url = urls[name]
                     quiet(procs.values())
                     before = spec_stats(url) if name in counted else {}
-                    got_round = asyncio.run(round_of(url, model[name], pairs[:s]))
+                    got_round = asyncio.run(round_of(url, model[name], pairs[:s],
+                                                     SAMPLING.get(kind)))
                     if name in counted:
                         after = spec_stats(url)
                         drafted = after["draft_tokens"] - before.get("draft_tokens", 0)
