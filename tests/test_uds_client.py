@@ -135,3 +135,26 @@ async def test_no_worker_is_unreachable_and_a_broken_answer_a_transport_error(tm
     await asyncio.start_unix_server(garbage, str(tmp_path / "garbage.sock"))
     with pytest.raises(WorkerFailed):
         await UDSClient(tmp_path / "garbage.sock").request("POST", "/v1/x", b"{}", {})
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 1000])
+def test_chunks_are_decoded_however_the_bytes_fall(cut):
+    """What the worker wrote, read back whole whatever the reads' sizes: chunk sizes in
+    hex with extensions, trailers, the end; what arrived together comes out together."""
+    from mlxfleet.supervisor.uds_client import _Dechunker
+
+    parts = [b"data: 1\n\n", b"x" * 300, b"data: \xc3\xa9\r\n\r\n"]
+    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) \
+        + b"0\r\nx-trailer: 1\r\n\r\n"
+    d, got = _Dechunker(), []
+    for i in range(0, len(wire), cut):
+        got.append(d.feed(wire[i:i + cut]))
+    assert b"".join(got) == b"".join(parts) and d.ended and not d.extra
+    if cut == 1000:  # all in one read: one piece
+        assert got == [b"".join(parts)]
+    d = _Dechunker()
+    assert d.feed(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1") == b"abc" and d.ended and d.extra
+    with pytest.raises(ValueError):
+        _Dechunker().feed(b"3\r\nabcdef\r\n")
+    with pytest.raises(ValueError):
+        _Dechunker().feed(b"zz\r\n")

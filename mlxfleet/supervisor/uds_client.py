@@ -24,7 +24,7 @@ from .handle import WorkerFailed, WorkerUnreachable
 
 _MAX_HEAD = 64 << 10  # response line and headers
 _READ = 64 << 10
-_IDLE_CONNECTIONS = 32  # kept open per worker; more are closed when returned
+_IDLE_CONNECTIONS = 128  # kept open per worker; more are closed when returned
 #: New connections being opened to one worker at once. A burst of clients (512 at once)
 #: connecting all together overflowed the worker's accept queue (its listen backlog),
 #: and the kernel refused the rest (EAGAIN): 16 of 512 requests failed with a 502.
@@ -57,21 +57,22 @@ class UpstreamResponse:
         return b"".join([c async for c in self.aiter_raw()])
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, each chunk as the worker wrote it (no re-chunking)."""
+        """The body as it arrives: each read's complete chunks joined in one piece (a
+        stream's events are never split, and those that queued while the gateway was busy
+        go out in one write: one await and one send for them all, not two and one each)."""
         if self._done:
             return
         r = self._reader
         try:
             if self._chunked:
-                while True:
-                    line = await r.readuntil(b"\r\n")
-                    size = int(line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while await r.readuntil(b"\r\n") != b"\r\n":
-                            pass  # trailers
-                        break
-                    data = await r.readexactly(size + 2)
-                    yield data[:-2]
+                chunks = _Dechunker()
+                while not chunks.ended:
+                    data = await r.read(_READ)
+                    if not data:
+                        raise asyncio.IncompleteReadError(b"", None)
+                    if body := chunks.feed(data):
+                        yield body
+                self._reusable = self._reusable and not chunks.extra
             elif self._left is not None:
                 while self._left:
                     data = await r.read(min(self._left, _READ))
@@ -197,6 +198,45 @@ class UDSClient:
     def close(self) -> None:
         while self._idle:
             self._idle.pop()[1].transport.abort()
+
+
+class _Dechunker:
+    """HTTP/1.1 chunked transfer coding, decoded from the bytes as they are read."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()  # (appended to and cut from the front in place)
+        self.ended = False  # the last chunk and the trailers are in
+        self.extra = False  # bytes came after the body (the connection cannot be reused)
+
+    def feed(self, data: bytes) -> bytes:
+        """The data of every chunk ``data`` completes, joined (b"" for none). Raises
+        ValueError on a malformed chunk."""
+        buf, out, at = self._buf, [], 0
+        buf += data
+        while not self.ended:
+            eol = buf.find(b"\r\n", at)
+            if eol < 0:
+                if len(buf) - at > _MAX_HEAD:
+                    raise ValueError("a chunk size line without an end")
+                break
+            size = int(buf[at:eol].split(b";", 1)[0], 16)
+            if size == 0:  # the last chunk: trailers (usually none), then an empty line
+                end = buf.find(b"\r\n\r\n", eol) if buf[eol + 2:eol + 4] != b"\r\n" \
+                    else eol
+                if end < 0:
+                    break
+                self.ended, at = True, end + 4
+                self.extra = at < len(buf)
+                break
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                break
+            if buf[end:end + 2] != b"\r\n":
+                raise ValueError("a chunk longer than its size")
+            out.append(buf[eol + 2:end])
+            at = end + 2
+        del buf[:at]
+        return b"".join(out)
 
 
 class _Stale(Exception):
