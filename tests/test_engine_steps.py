@@ -60,3 +60,62 @@ async def test_a_prefilled_group_gets_its_first_tokens_before_the_next_group_is_
     assert not prompts, calls  # ...in a step that prefilled nothing else
     later = [u for p, _ in calls[joined + 2:] for u, _ in p]
     assert second & set(later), calls  # the second group was prefilled after that
+
+
+@pytest.mark.parametrize("step", [2048, 16])
+async def test_a_lone_prompt_is_read_in_one_pass_and_gives_mlx_lm_tokens(engine, step):
+    """A request alone in an idle engine: its prompt goes through the model once (in
+    chunks of ``prefill_step_size`` when longer), not once for all but its last token and
+    again for the last, and its tokens are mlx-lm's."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    assert engine.paths["lone_prompt"].startswith("one pass"), engine.paths
+    engine.config = engine.config.model_copy(update={"prefill_step_size": step})
+    body = engine._model.model
+    base, passes = type(body), []
+
+    class Counted(base):
+        def __call__(self, x, *args, **kwargs):
+            passes.append(x.shape[1])
+            return base.__call__(self, x, *args, **kwargs)
+
+    body.__class__ = Counted
+    prompt = [(7 * i) % 1800 + 10 for i in range(40)]
+    try:
+        events = await finish(engine.submit([prompt], SamplingParams(max_tokens=4,
+                                                                     ignore_eos=True)))
+    finally:
+        body.__class__ = base
+    assert passes[:1 + 40 // step] == ([40] if step > 40 else [16, 16, 8]), passes
+    model, _ = load(engine.model_path)
+    alone = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=4,
+                                              sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert [e.token for e in events] == alone
+
+
+def test_a_model_whose_body_is_not_its_model_attribute_keeps_two_passes():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxfleet.worker.last_position import supported
+
+    class Backbone(nn.Module):  # (Nemotron-H's body is ``backbone``)
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Embedding(8, 4)
+            self.layers = []
+
+        def __call__(self, x, cache=None):
+            return self.backbone(x) @ mx.ones((4, 8))
+
+    class Pooled(Backbone):  # a ``model`` attribute whose output is not per position
+        def __init__(self):
+            super().__init__()
+            self.model = lambda x, cache=None: self.backbone(x).sum(axis=1)
+
+        def __call__(self, x, cache=None):
+            return (self.model(x) @ mx.ones((4, 8)))[:, None]
+
+    assert not supported(Backbone()) and not supported(Pooled())

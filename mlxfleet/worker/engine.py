@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import copy
 import functools
 import logging
@@ -43,6 +44,7 @@ from .generation import (
     Rejected,
     TokenEvent,
 )
+from .last_position import last_position_only, supported
 from .model_facts import (
     KVCost,
     cache_kinds,
@@ -125,6 +127,7 @@ class Engine:
         self.vocab_size: Optional[int] = None
         self.unknown_ids: frozenset[int] = frozenset()  # model rows the tokenizer lacks
         self._unknown_mask: Any = None
+        self._one_pass = False  # a lone prompt in one pass (last_position.py)
         self.load_seconds: Optional[float] = None
         self.stats = EngineStats()
         # (when, seconds) a request waited for its first token: the median of the last
@@ -273,6 +276,8 @@ class Engine:
         if self._unknown_mask is not None:
             model = mask_unknown_ids(model, self._unknown_mask)
         self._model = model
+        # a lone prompt read in one pass, its head at the last position (last_position.py)
+        self._one_pass = not self.config.sharded and supported(model)
         self._stream = mx.default_stream(mx.default_device())
         self._quantize_kv()
         self._describe_paths(config)
@@ -370,6 +375,8 @@ class Engine:
             "prefix_reuse": "prompt ends: a cache with recurrent state or a sliding "
                             "window cannot be cut back to any prefix" if self._snapshots
                             else "any prefix",
+            "lone_prompt": "one pass, the head at its last position" if self._one_pass
+                           else "two passes (all but the last token, then the last)",
         }
         self._speculator = None
         if cfg.speculative == "off":
@@ -754,18 +761,24 @@ class Engine:
         cache = cache if cache is not None else make_prompt_cache(self._model)
         x = mx.array(rest)[None]
         step = self.config.prefill_step_size
-        # All but the last token, evaluating only the cache: the logits of those positions
-        # are never computed (a prompt's worth of vocabulary projections, most of the work
-        # on a small model with a large vocabulary); then the last token alone.
-        while x.shape[1] > 1:
+        # The logits of the prompt's positions are never computed (a prompt's worth of
+        # vocabulary projections, most of the work on a small model with a large
+        # vocabulary). With one pass, the last chunk goes through the model's body whole
+        # and its head reads the last position; otherwise (or when the cache must be kept
+        # as it was just before the last token) all but the last token fill the cache,
+        # then the last token is read alone, as mlx-lm does.
+        snapshot = self._snapshots and len(rest) > 1
+        one_pass = self._one_pass and not snapshot
+        while x.shape[1] > (step if one_pass else 1):
             n = min(step, x.shape[1] - 1)
             self._model(x[:, :n], cache=cache)
             mx.eval([c.state for c in cache])
             x = x[:, n:]
-        if self._snapshots and len(rest) > 1:  # the cache as the prompt's end left it
+        if snapshot:  # the cache as the prompt's end left it
             self.prompt_cache.store(list(gen.prompts[0][:-1]), copy.deepcopy(cache),
                                     self.policy.budget - self._reserved, gen.cache_scope)
-        logits = self._model(x, cache=cache)[:, -1, :]
+        with last_position_only(self._model) if one_pass else contextlib.nullcontext():
+            logits = self._model(x, cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = int((sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1)).item())
         self.stats.steps += 1
