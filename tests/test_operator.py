@@ -74,34 +74,52 @@ def test_files_added_edited_and_deleted_drive_the_models(served):
         served.openai().models.retrieve("beta")
 
 
+def _sigterm_pending(pid: int) -> bool:
+    """Whether ``pid`` has a SIGTERM waiting (a stopped process keeps it pending)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def test_spec_change_mid_stream_loses_nothing(served):
-    # tiny-10m is slow enough on CPU that a 1500-token stream spans the rollout.
     served.write("m.yaml", manifest("slow", source="builtin:tiny-10m"))
-    # The old worker drains its stream for as long as the stream takes: on a loaded
-    # 2-core machine that can pass the fleet's usual 20 s.
     served.env["MLXFLEET_DRAIN_TIMEOUT"] = "120"
+    # The old worker is frozen below while the new one starts: its missed health
+    # checks must not get it killed.
+    served.env["MLXFLEET_HEALTH_FAILURES"] = "1000"
     served.start()
     old = served.wait_ready("slow")
     got = {}
+    started = threading.Event()
 
     def stream():
-        chunks = list(served.openai().chat.completions.create(
-            model="slow", messages=[{"role": "user", "content": "go"}], max_tokens=1500,
-            temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = []
+        for c in served.openai().chat.completions.create(
+                model="slow", messages=[{"role": "user", "content": "go"}], max_tokens=300,
+                temperature=0, stream=True, stream_options={"include_usage": True}):
+            chunks.append(c)
+            started.set()
         got["usage"] = chunks[-1].usage
         got["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
 
     t = threading.Thread(target=stream)
     t.start()
-    assert wait_for(lambda: served.status("slow")["inflight"] == 1, 10)
-    served.write("m.yaml", manifest("slow", source="builtin:tiny-10m",
-                                   defaults={"temperature": 0.5}))
-    new = served.wait_ready("slow", pid_not=old["pid"])
-    # Traffic moved while the old stream is still running on the old worker.
-    assert psutil.pid_exists(old["pid"])
-    assert served.chat("slow").model == "slow"
+    assert started.wait(30)
+    # Frozen mid-stream (a real SIGSTOP), the old worker's stream surely spans the
+    # rollout however fast the machine decodes or slowly it starts the new worker.
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        served.write("m.yaml", manifest("slow", source="builtin:tiny-10m",
+                                       defaults={"temperature": 0.5}))
+        new = served.wait_ready("slow", pid_not=old["pid"])
+        # Traffic moved, and the old worker is not told to stop while its stream is open.
+        assert served.chat("slow").model == "slow"
+        assert not _sigterm_pending(old["pid"])
+    finally:
+        os.kill(old["pid"], signal.SIGCONT)
     t.join(120)
-    assert got["finish"] == "length" and got["usage"].completion_tokens == 1500
+    assert got["finish"] == "length" and got["usage"].completion_tokens == 300
     assert wait_for(lambda: not psutil.pid_exists(old["pid"]), 20)
     assert served.status("slow")["pid"] == new["pid"]
 
