@@ -34,6 +34,9 @@ FORWARDED_HEADER = "X-Mlxfleet-Forwarded-By"
 #: the node it sees holding the model, once, never back to its sender: no loops.
 HOPS_HEADER = "X-Mlxfleet-Hops"
 MAX_HOPS = 2
+#: On a node's ``model_moved`` refusal of a forwarded request: it did nothing with it, so
+#: the sender may look the model up again and resend it.
+MOVED_HEADER = "x-mlxfleet-moved"
 #: Seconds a signed request's timestamp may differ from this node's clock.
 SKEW = 120
 _NONCES = 200_000  # remembered within SKEW: a replay is refused

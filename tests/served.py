@@ -105,6 +105,16 @@ class Served:
         for n in nodes.values():
             assert wait_for(n._up, timeout=30), n.logs()
 
+    @staticmethod
+    def wait_fleet(nodes: dict[str, Served], timeout: float = 60) -> None:
+        """Until every node sees every node of the fleet Ready."""
+        def ready(n: Served) -> bool:
+            rows = httpx.get(n.url + "/mlxfleet/v1/nodes", timeout=10).json()["items"]
+            return {r["name"] for r in rows if r["status"] == "Ready"} >= set(nodes)
+
+        for n in nodes.values():
+            assert wait_for(lambda n=n: ready(n), timeout), n.logs()
+
     def launch(self) -> None:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(

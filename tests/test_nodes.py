@@ -36,8 +36,12 @@ def nodes(tmp_path_factory):
         node_doc("a", ns["a"].url, "4GB", tier="small"),
         node_doc("b", ns["b"].url, "4GB", tier="small"),
         node_doc("c", ns["c"].url, "8GB", chip="m2")]))
-    ns["a"].write("models.yaml", models_yaml())
+    # The models come once every node sees the others: on a loaded machine a node can
+    # take longer to boot than the fleet's grace, and the others would place its share
+    # without it (correctly; the boot grace is tested by the fleets that start with models).
     Served.start_all(ns)
+    Served.wait_fleet(ns)
+    ns["a"].write("models.yaml", models_yaml())
     yield ns
     for n in ns.values():
         n.stop()

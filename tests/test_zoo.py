@@ -194,7 +194,10 @@ def test_a_family_gives_mlx_lm_tokens_tensor_parallel_over_two_ranks(
         ranks.append(start_worker("--config", cfg, "--name", "m", source=str(path),
                                   wait=False))
     ranks[0].wait_ready()
-    body = chat(ranks[0], HELLO)
+    try:
+        body = chat(ranks[0], HELLO)
+    except AssertionError as e:  # (the other rank's side of it, for the record)
+        raise AssertionError(f"{e}\nrank 1:\n{ranks[1].logs()[-3000:]}") from None
     assert body["choices"][0]["token_ids"] == alone(tuple(body["prompt_token_ids"]))
     prompts = batch_prompts(tok)
     together = in_parallel(lambda p: complete(ranks[0], p), [(p,) for p in prompts])

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import httpx
 
-from ..fleet_auth import HOPS_HEADER, Signed, hops_of
+from ..fleet_auth import HOPS_HEADER, MOVED_HEADER, Signed, hops_of
 from ..fleet_tls import SCOPE_NODE
 from ..names import loggable
-from ..supervisor.admission import AdmissionError, Lease, timeout_error, until
+from ..supervisor.admission import AdmissionError, Lease, time_left, timeout_error, until
 from ..units import parse_duration
 from ..wire import (
     CACHE_SCOPE_HEADER,
@@ -205,8 +205,11 @@ class ModelRoutes:
                 key.append(given[:300] if given else affinity_key(body, headers))
             return key[0]
 
-        rt = self.sup.find(model, sender.sender if sender is not None else None, hops,
-                           affinity)
+        def find() -> ServedModel:
+            return self.sup.find(model, sender.sender if sender is not None else None, hops,
+                                 affinity)
+
+        rt = find()
         if key:
             fwd[AFFINITY_HEADER] = key[0]
         scope = self._cache_scope(rt, body, headers, sender)
@@ -226,8 +229,8 @@ class ModelRoutes:
                 body["keep_alive"] = -1 if math.isinf(floor) else floor
                 raw = json.dumps(body).encode()
         timeout = rt.manifest.spec.limits.timeout or settings.timeout
-        return _Call(path, body, raw, headers, fwd, sender, out, rt, keep_alive, timeout,
-                     time.monotonic() + timeout)
+        return _Call(path, body, raw, headers, fwd, sender, out, rt, find, keep_alive,
+                     timeout, time.monotonic() + timeout)
 
     async def _serve(self, path: str, raw: bytes, headers: dict[str, str],
                      sender: Optional[Signed], out: _Reply) -> None:
@@ -249,13 +252,7 @@ class ModelRoutes:
                 _stream_after_load(rt.lease(call.deadline, call.keep_alive), rt.name,
                                    target, self.settings.sse_keepalive_interval,
                                    call.timeout)))
-        lease = await rt.lease(call.deadline, call.keep_alive)
-        out.model = lease.name
-        try:
-            upstream = await lease.send(*target)
-        except BaseException:
-            lease.release()
-            raise
+        lease, upstream = await self._send(call, target)
         ctype = upstream.headers.get("content-type", "application/json")
         notices = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
                    if k.startswith("x-mlxfleet-")]  # the worker's notices to the client
@@ -281,6 +278,32 @@ class ModelRoutes:
         extra = [(b"retry-after", upstream.headers["retry-after"].encode())] \
             if "retry-after" in upstream.headers else []  # a worker's 503: when to retry
         await out.send(upstream.status_code, ctype, content, extra + notices)
+
+    async def _send(self, call: _Call, target: tuple) -> tuple[Lease, Any]:
+        """A lease on the model, and the worker's answer to ``target``. A node that the
+        request went to but that no longer holds the model (placements were changing as it
+        was sent) refuses it having done nothing (``model_moved``): the model is looked up
+        again and asked again as the nodes' views settle (up to four fleet polls), so the
+        client never sees that refusal while another node serves the model."""
+        delay, waited = 0.1, 0.0
+        while True:
+            lease = await call.rt.lease(call.deadline, call.keep_alive)
+            call.out.model = lease.name  # (a client that hangs up now is counted on it)
+            try:
+                upstream = await lease.send(*target)
+            except BaseException:
+                lease.release()
+                raise
+            if upstream.status_code != 503 or MOVED_HEADER not in upstream.headers \
+                    or waited >= max(2.0, 4 * self.settings.fleet_poll_interval) \
+                    or time_left(call.deadline) < 2 * delay:
+                return lease, upstream
+            await upstream.aclose()
+            lease.release()
+            log.info("%s: a node's placement was out of date; asking again", call.rt.name)
+            await asyncio.sleep(delay)
+            waited, delay = waited + delay, delay * 2
+            call.rt = call.find()
 
     # ---- what some routes do before forwarding (``ROUTES``) ---------------------
 
@@ -328,6 +351,7 @@ class _Call:
     sender: Optional[Signed]  # the node that forwarded it, if one did
     out: _Reply
     rt: ServedModel
+    find: Callable[[], ServedModel]  # the model looked up again (placements change)
     keep_alive: Optional[float]
     timeout: float
     deadline: float
@@ -481,6 +505,43 @@ def _keep_alive(value: Any) -> float:
                        code="invalid_value") from None
 
 
+class _Watchdog:
+    """One timer per stream for "the next chunk is late". A chunk only records when the
+    next one is due; the timer moves itself when it fires early. (An ``asyncio.timeout``
+    per chunk, a timer armed and cancelled each time, was ~6% of the gateway's CPU at
+    32 streams.) It cancels the task only while it waits on the worker (``waiting``),
+    never while the task is sending a chunk to the client."""
+
+    def __init__(self, due: float, gap: float) -> None:
+        self.due, self.gap, self.waiting, self.fired = due, gap, False, False
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(time_left(due), self._check)
+
+    def _check(self) -> None:
+        if not self.waiting:  # sending to the client: the gap starts once that is done
+            self._timer = self._loop.call_later(self.gap, self._check)
+        elif time.monotonic() < self.due:  # a chunk came since: look again when due
+            self._timer = self._loop.call_later(time_left(self.due), self._check)
+        elif self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def chunk_sent(self) -> None:
+        """The client took a chunk: the next one is due within ``gap``."""
+        self.waiting, self.due = True, time.monotonic() + self.gap
+
+    def timed_out(self) -> bool:
+        """After a ``CancelledError``: whether this watchdog caused it (then the task is
+        no longer cancelled; otherwise the cancellation is the caller's to pass on)."""
+        if self.fired and self._task is not None and hasattr(self._task, "uncancel"):
+            self._task.uncancel()  # Python 3.11+; 3.10 tasks keep no count
+        return self.fired
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
 async def _relay(lease: Lease, upstream: Any, path: str, gap: float
                  ) -> AsyncIterator[bytes]:
     """The worker's stream, chunk by chunk. The timeout bounds waiting, not producing:
@@ -488,7 +549,8 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
     seconds of the last (an agent's long answer that keeps streaming is not cut; a stream
     that stalls is)."""
     chunks = upstream.aiter_raw()
-    deadline = lease.deadline
+    watchdog = _Watchdog(lease.deadline, gap)
+    watchdog.waiting = True
     # The Responses API numbers its events from 0, one per event: an error the relay
     # adds takes the next number, so count the events (each ends with a blank line).
     numbered = path == "/v1/responses"
@@ -496,15 +558,19 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
     try:
         while True:
             try:
-                async with until(deadline):  # per chunk: never around a yield
-                    chunk = await chunks.__anext__()
+                chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 break
+            except asyncio.CancelledError:
+                if watchdog.timed_out():
+                    raise TimeoutError from None
+                raise
+            watchdog.waiting = False
             if numbered:
                 seq += (tail + chunk[:1]).count(b"\n\n") + chunk.count(b"\n\n")
                 tail = chunk[-1:]
-            yield chunk
-            deadline = time.monotonic() + gap
+            yield chunk  # the watchdog never cancels around a yield
+            watchdog.chunk_sent()
     except (asyncio.TimeoutError, TimeoutError):
         err = timeout_error(lease.name)
         log.warning("%s: %s", lease.name, err.message)
@@ -515,6 +581,7 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
                        type="server_error", code="worker_failed")
         yield stream_error(err, path, seq).encode()
     finally:
+        watchdog.close()
         await upstream.aclose()
         lease.release()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..files import private_dir
-from ..fleet_auth import MAX_HOPS
+from ..fleet_auth import MAX_HOPS, MOVED_HEADER
 from ..manifest import (
     FileResult,
     LoadedManifest,
@@ -324,10 +324,12 @@ class Supervisor(FleetMembership):
         if forwarded_by is not None and rt.node != self.node_name and (
                 rt.node is None or rt.node == forwarded_by or hops >= MAX_HOPS):
             where = f"node '{rt.node}'" if rt.node else "no node"
-            raise AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node "
+            err = AdmissionError(503, f"Model '{rt.name}' runs on {where}, not on node "
                                  f"'{self.node_name}' that this request was forwarded to; "
                                  "the nodes are updating their placement, retry shortly.",
                                  "model_moved", retry_after=1)
+            err.headers[MOVED_HEADER] = "1"  # the sender asks again (api/model_routes.py)
+            raise err
         placed = self.fleet.placements.get(rt.name) if self.fleet is not None else None
         if placed is not None and placed.replicas:
             router = self.fleet.router
