@@ -232,6 +232,7 @@ def test_a_node_whose_view_differs_passes_a_request_on_once_never_back(nodes):
     assert r.json()["usage"]["completion_tokens"] == 2
     r = forwarded("c")  # c sent it: never back to c
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_moved", r.text
+    assert r.headers["x-mlxfleet-moved"]  # (what tells a sending node to ask again)
     r = forwarded("a", hops=2)  # forwarded twice already: no further
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_moved", r.text
 
