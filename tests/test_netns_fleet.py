@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 from netfleet import Forwarder, Net, NsServed, can_make_namespaces
-from served import free_port, manifest, wait_for
+from served import Served, free_port, manifest, wait_for
 
 from mlxfleet import fleet_tls
 
@@ -54,9 +54,6 @@ def fleet(tmp_path_factory):
                                      "memory": "8GB" if n == "c" else "4GB"}})
             for n in ns]
     ns["a"].write("nodes.yaml", "---\n".join(docs))
-    ns["a"].write("models.yaml", "---\n".join([
-        manifest("on-a", placement={"nodes": ["a"]}), manifest("on-c", placement={"nodes": ["c"]}),
-        manifest("free")]))
     token, pin = fleet_tls.init(ns["a"].state / "fleet", "a")
     for n in "bc":  # the join exchange, in process (test_fleet_tls drives the CLI's)
         sent, key = fleet_tls.join_request(token, n)
@@ -67,6 +64,12 @@ def fleet(tmp_path_factory):
             n.launch()
         for n in ns.values():
             assert wait_for(n._up, timeout=40), n.logs()
+        # The models come once every node sees the others (a node slower to boot than the
+        # grace would see its share placed elsewhere, correctly, and kept there).
+        Served.wait_fleet(ns)
+        ns["a"].write("models.yaml", "---\n".join([
+            manifest("on-a", placement={"nodes": ["a"]}),
+            manifest("on-c", placement={"nodes": ["c"]}), manifest("free")]))
         for n in ns.values():
             assert wait_for(lambda n=n: where(n) == PLACED, 40), (where(n), n.logs())
         for m, n in PLACED.items():

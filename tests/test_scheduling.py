@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -205,7 +207,8 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
     # 1.2 GB holds two of them, not three.
     f = Served(tmp_path, env={"MLXFLEET_MEMORY_BUDGET": "1200MB",
                              "MLXFLEET_WORKER_OVERHEAD_MB": "300",
-                             "MLXFLEET_BUSY_WAIT_TIMEOUT": "3"})
+                             "MLXFLEET_BUSY_WAIT_TIMEOUT": "3",
+                             "MLXFLEET_HEALTH_FAILURES": "1000"})  # (b is frozen below)
     spec = dict(preload=False, cache={"memoryMB": 200}, keepAlive="forever")
     f.write("a.yaml", manifest("a", **spec))
     f.write("b.yaml", manifest("b", source="builtin:tiny-10m", speculative={"mode": "off"},
@@ -241,8 +244,14 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
         assert wait_for(lambda: f.status("a")["pinned"], 10)
         t = _long_stream(f, "b", 900, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
-        r = httpx.post(f.url + "/v1/chat/completions", timeout=60,
-                       json={"model": "c", "messages": MSG})
+        # Frozen mid-stream (SIGSTOP), b is surely still busy when c asks, however fast
+        # this machine decodes.
+        os.kill(b_pid, signal.SIGSTOP)
+        try:
+            r = httpx.post(f.url + "/v1/chat/completions", timeout=60,
+                           json={"model": "c", "messages": MSG})
+        finally:
+            os.kill(b_pid, signal.SIGCONT)
         t.join(120)
         assert r.status_code == 503 and r.headers["Retry-After"]
         msg = r.json()["error"]["message"]
