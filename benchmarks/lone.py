@@ -7,13 +7,19 @@ and each server's leftover BLAS spinning hit all three alike.
 Prints p50 and p90 end-to-end latency for each, and the differences: gateway - worker (two
 worker processes: the hop alone is benchmarks/hop.py's) and our total against mlx_lm.server
 (gateway - mlx_lm.server).
+
+``--alone``: each server is asked while the other two are frozen (SIGSTOP), in blocks of
+ten requests in turn, so that none pays for another's leftover threads on a 2-core machine
+(as a person running one server sees it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -32,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="builtin:tiny-50m")
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--alone", action="store_true",
+                    help="freeze the other two servers while one is asked (blocks of 10)")
     args = ap.parse_args()
     model_dir = resolve_source(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="mlxfleet-lone-"))
@@ -62,23 +70,42 @@ def main() -> None:
         clients = {k: httpx.Client(base_url=u, timeout=60) for k, (u, _) in targets.items()}
         times: dict[str, list[float]] = {k: [] for k in targets}
         order = list(targets)
-        for i in range(args.requests + 10):
-            # A shuffled order and a pause: a server's BLAS threads spin for a moment
-            # after its work, which would tax whichever server is asked next.
-            random.shuffle(order)
-            for k in order:
-                model = targets[k][1]
-                time.sleep(0.05)
-                body = {"model": model, "max_tokens": 1, "temperature": 0,
-                        "messages": [{"role": "user", "content": f"hi {i % 7}"}]}
-                t0 = time.perf_counter()
-                r = clients[k].post("/v1/chat/completions", json=body)
-                dt = time.perf_counter() - t0
-                assert r.status_code == 200, r.text
-                if i >= 10:  # warm-up
-                    times[k].append(dt)
+        pids = dict(zip(targets, (p.p.pid for p in procs)))
+
+        def ask(k: str, i: int) -> None:
+            time.sleep(0.05)
+            body = {"model": targets[k][1], "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"hi {i % 7}"}]}
+            t0 = time.perf_counter()
+            r = clients[k].post("/v1/chat/completions", json=body)
+            dt = time.perf_counter() - t0
+            assert r.status_code == 200, r.text
+            if i >= 10:  # warm-up
+                times[k].append(dt)
+
+        if args.alone:
+            for block in range(0, args.requests + 10, 10):
+                random.shuffle(order)
+                for k in order:
+                    others = [pids[o] for o in targets if o != k]
+                    for pid in others:
+                        os.kill(pid, signal.SIGSTOP)
+                    try:
+                        for i in range(block, block + 10):
+                            ask(k, i)
+                    finally:
+                        for pid in others:
+                            os.kill(pid, signal.SIGCONT)
+        else:
+            for i in range(args.requests + 10):
+                # A shuffled order and a pause: a server's BLAS threads spin for a moment
+                # after its work, which would tax whichever server is asked next.
+                random.shuffle(order)
+                for k in order:
+                    ask(k, i)
+        how = "each alone (the others frozen), blocks of 10" if args.alone else "interleaved"
         print(f"model {args.model}, BLAS {BLAS or 'bundled'}, {args.requests} sequential "
-              "1-token chat requests each, interleaved")
+              f"1-token chat requests each, {how}")
         p50 = {k: 1000 * pct(v, .5) for k, v in times.items()}
         for k, v in times.items():
             print(f"{k:14} p50 {p50[k]:6.2f} ms   p90 {1000 * pct(v, .9):6.2f} ms")
