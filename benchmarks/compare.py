@@ -415,12 +415,13 @@ def render(r: dict, args) -> str:
         lines.append(f"| {s} | {raw:.1f} | {ml:.1f} | {w:.1f} | {g:.1f} | {g / raw:.2f}x | "
                      f"{g / ml:.2f}x |" if ml else f"| {s} | {raw:.1f} | - | {w:.1f} | "
                      f"{g:.1f} | {g / raw:.2f}x | - |")
-    lines += ["", "TTFT p50 / ITL p50 (ms):", ""]
+    lines += ["", "TTFT p50 / TPOT p50 (ms; TPOT: a request's time per output token after "
+              "its first, which holds when one event carries several drafted tokens):", ""]
     lines += ["| streams | mlx_lm.server | worker | gateway |", "| --- | --- | --- | --- |"]
     for s, row in r["streams"].items():
         cells = []
         for k in ("mlx_lm.server", "worker", "gateway"):
-            t, i = row[k]["ttft_ms"]["p50"], row[k]["itl_ms"]["p50"]
+            t, i = row[k]["ttft_ms"]["p50"], row[k]["tpot_ms"]["p50"]
             cells.append(f"{t or 0:.0f} / {i or 0:.1f}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lim = r["limit"]
@@ -434,7 +435,7 @@ def render(r: dict, args) -> str:
               f"{lim['weight_bytes'] / 2**20:.0f} MiB of weights, {r['prompt_tokens']} prompt "
               "tokens per request. A decode step of B sequences takes at least max(weights / "
               "bandwidth, 2 x params x B / best GEMM rate); the whole run adds the prefill, "
-              "bounded the same way. Decode fraction: B / ITL p50 against the decode limit.", "",
+              "bounded the same way. Decode fraction: B / TPOT p50 against the decode limit.", "",
               "| streams | limit: decode tok/s | limit: whole run tok/s | raw loop | "
               "mlx_lm.server | worker | gateway | gateway decode |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -442,8 +443,8 @@ def render(r: dict, args) -> str:
         lt = limit_tokens_per_s(lim, s, r["prompt_tokens"], args.max_tokens)
         cells = [f"{row[k]['output_tokens_per_s'] / lt['overall']:.0%}"
                  for k in ("raw", "mlx_lm.server", "worker", "gateway")]
-        itl = row["gateway"]["itl_ms"]["p50"]
-        dec = f"{s / (itl / 1000) / lt['decode']:.0%}" if itl else "-"
+        tpot = row["gateway"]["tpot_ms"]["p50"]
+        dec = f"{s / (tpot / 1000) / lt['decode']:.0%}" if tpot else "-"
         lines.append(f"| {s} | {lt['decode']:.0f} | {lt['overall']:.0f} | "
                      + " | ".join(cells) + f" | {dec} |")
     lat = r["latency_ms"]

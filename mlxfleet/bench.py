@@ -55,13 +55,17 @@ class BenchReport:
     def summary(self) -> dict[str, Any]:
         ttft = [r.ttft for r in self.ok if r.ttft is not None]
         itl = [x for r in self.ok for x in r.itl]
+        # Time per output token after the first, per request: unlike the gaps between
+        # events (``itl``), it holds when one event carries several tokens (accepted drafts).
+        tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in self.ok
+                if r.ttft is not None and r.tokens > 1]
         return {
             "concurrency": self.concurrency, "requests": self.requests,
             "errors": len(self.results) - len(self.ok), "wall_s": round(self.wall, 3),
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": round(self.tokens_per_s, 2),
             "requests_per_s": round(len(self.ok) / self.wall, 3) if self.wall else 0.0,
-            "ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl),
+            "ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl), "tpot_ms": _pcts(tpot),
             "first_error": next((r.error for r in self.results if not r.ok), None),
         }
 
