@@ -107,13 +107,17 @@ class Served:
 
     @staticmethod
     def wait_fleet(nodes: dict[str, Served], timeout: float = 60) -> None:
-        """Until every node sees every node of the fleet Ready."""
+        """Until every node lists every node of the fleet, and all it lists are Ready."""
+        def rows(n: Served) -> dict[str, str]:
+            items = httpx.get(n.url + "/mlxfleet/v1/nodes", timeout=5).json()["items"]
+            return {r["name"]: r["status"] for r in items}
+
         def ready(n: Served) -> bool:
-            rows = httpx.get(n.url + "/mlxfleet/v1/nodes", timeout=10).json()["items"]
-            return {r["name"] for r in rows if r["status"] == "Ready"} >= set(nodes)
+            seen = rows(n)
+            return set(seen) >= set(nodes) and set(seen.values()) == {"Ready"}
 
         for n in nodes.values():
-            assert wait_for(lambda n=n: ready(n), timeout), n.logs()
+            assert wait_for(lambda n=n: ready(n), timeout), (rows(n), n.logs())
 
     def launch(self) -> None:
         self._log = open(self.log_path, "wb")

@@ -105,9 +105,7 @@ def statuses(node) -> dict:
 def back_to_normal(ns) -> None:
     """Every node Ready and every node placing every model alike (where the models ran
     before a partition, or where they moved: they stay where they run)."""
-    for n in ns.values():
-        assert wait_for(lambda n=n: set(statuses(n).values()) == {"Ready"}, 30), \
-            (statuses(n), n.logs())
+    Served.wait_fleet(ns, timeout=30)
     agree = lambda: len({json.dumps(where(n), sort_keys=True) for n in ns.values()}) == 1 \
         and None not in where(ns["a"]).values() and len(where(ns["a"])) == 3  # noqa: E731
     assert wait_for(agree, 30), {n.node: where(n) for n in ns.values()}

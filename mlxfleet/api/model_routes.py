@@ -513,7 +513,7 @@ class _Watchdog:
     never while the task is sending a chunk to the client."""
 
     def __init__(self, due: float, gap: float) -> None:
-        self.due, self.gap, self.waiting, self.fired = due, gap, False, False
+        self.due, self.gap, self.waiting, self.fired = due, gap, True, False
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
         self._timer = self._loop.call_later(time_left(due), self._check)
@@ -549,8 +549,7 @@ async def _relay(lease: Lease, upstream: Any, path: str, gap: float
     seconds of the last (an agent's long answer that keeps streaming is not cut; a stream
     that stalls is)."""
     chunks = upstream.aiter_raw()
-    watchdog = _Watchdog(lease.deadline, gap)
-    watchdog.waiting = True
+    watchdog = _Watchdog(lease.deadline, gap)  # (waiting for the first chunk)
     # The Responses API numbers its events from 0, one per event: an error the relay
     # adds takes the next number, so count the events (each ends with a blank line).
     numbered = path == "/v1/responses"
