@@ -97,6 +97,36 @@ def test_mlx_lm_reads_tokenizer_json_only_as_far_as_its_decoder(monkeypatch):
     assert tokenizer_utils.json is json  # put back after the load
 
 
+def test_a_load_lists_the_vocabulary_once(monkeypatch):
+    """transformers builds ``get_vocab()`` anew on every call (0.1-0.2 s for a real
+    vocabulary) and mlx-lm's loader asks three times: during a worker's load it is listed
+    once, each caller gets its own copy, and a token added meanwhile is listed."""
+    from mlx_lm.utils import load_tokenizer
+    from transformers import PreTrainedTokenizerFast as Fast
+
+    from mlxfleet.sources import resolve_source
+    from mlxfleet.worker import tokenizer_json
+
+    listed, real = [], Fast.get_vocab
+
+    def counting(tok):
+        listed.append(len(tok))
+        return real(tok)
+
+    monkeypatch.setattr(Fast, "get_vocab", counting)
+    with tokenizer_json.quick_tokenizer_json():
+        tok = load_tokenizer(resolve_source("builtin:tiny"))
+        vocab = tok.get_vocab()
+        assert listed == [len(vocab)]  # mlx-lm's calls and this one: one listing
+        vocab["<mine>"] = -1
+        assert "<mine>" not in tok.get_vocab()  # a copy each
+        tok.add_tokens(["<added>"])
+        assert "<added>" in tok.get_vocab() and len(listed) == 2
+    assert Fast.get_vocab is counting  # put back after the load
+    tok.get_vocab()
+    assert len(listed) == 3
+
+
 @pytest.mark.parametrize("text, members", [
     ('{"version": "1.0", "decoder": {"type": "ByteLevel"}, "model": {"vocab": {"a": 1}}}',
      {"version": "1.0", "decoder": {"type": "ByteLevel"}}),

@@ -229,20 +229,25 @@ def test_memory_budget_evicts_lru_idle_never_busy_or_pinned(tmp_path):
         listing = httpx.get(f.url + "/mlxfleet/v1/models").json()["memory"]
         assert listing["budgetBytes"] == 1200 * MB and listing["usedBytes"] <= 1200 * MB
 
-        # b streams a long answer; a request for a must evict idle c, not busy b.
+        # b streams a long answer; a request for a must evict idle c, not busy b. (b is
+        # frozen mid-stream meanwhile, so it is surely busy however fast it decodes.)
         got = {}
-        t = _long_stream(f, "b", 900, got)
+        t = _long_stream(f, "b", 500, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
-        f.chat("a")
+        os.kill(b_pid, signal.SIGSTOP)
+        try:
+            f.chat("a")
+        finally:
+            os.kill(b_pid, signal.SIGCONT)
         assert f.status("c")["phase"] == "Unloaded"
         assert f.status("b")["pid"] == b_pid
         t.join(120)
-        assert got["tokens"] == 900  # the stream completed intact
+        assert got["tokens"] == 500  # the stream completed intact
 
         # Pin a; keep b busy: nothing can make room for c -> 503 that explains.
         f.write("a.yaml", manifest("a", **{**spec, "pinned": True}))
         assert wait_for(lambda: f.status("a")["pinned"], 10)
-        t = _long_stream(f, "b", 900, got)
+        t = _long_stream(f, "b", 500, got)
         assert wait_for(lambda: f.status("b")["inflight"] == 1, 10)
         # Frozen mid-stream (SIGSTOP), b is surely still busy when c asks, however fast
         # this machine decodes.
