@@ -317,6 +317,7 @@ def test_a_silent_node_is_given_up_on_in_seconds_naming_why(nodes):
     import time
 
     a, b = nodes["a"], nodes["b"]
+    assert wait_for(lambda: where(a) == EXPECTED, 30), where(a)
     got: dict = {}
 
     def long_request():
@@ -326,10 +327,12 @@ def test_a_silent_node_is_given_up_on_in_seconds_naming_why(nodes):
             "messages": [{"role": "user", "content": "Tell me a long story."}]})
         got.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
 
+    # Stop b first, then ask: a still believes b is up (two polls must be missed), so it
+    # forwards and waits. (Stopping b 0.5 s into a 1,500-token answer raced a fast
+    # machine: the answer was done in 0.7 s.)
+    b.proc.send_signal(signal.SIGSTOP)
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.5)
-    b.proc.send_signal(signal.SIGSTOP)
     try:
         t.join(30)
         assert got.get("status") == 503, got
