@@ -212,7 +212,10 @@ def test_a_replicated_model_rolls_one_copy_at_a_time_losing_no_request(fleet):
         new = b.status("coder")["specHash"]
         samples = []
         while not (done(b, new) and done(c, new)):
-            samples.append((done(b, new), c.status("coder")["generation"] > gen_c))
+            # c first: had c begun, b was done before, and still is when asked next
+            # (asked the other way round, b could finish between the two reads)
+            began = c.status("coder")["generation"] > gen_c
+            samples.append((done(b, new), began))
             time.sleep(0.1)
             assert len(samples) < 1200, samples[-5:]
     finally:

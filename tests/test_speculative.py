@@ -144,7 +144,9 @@ async def test_drafting_that_does_not_pay_stops_and_does_without_forcing():
     assert on[1] < off[1] * 3 / 4, (on[1], off[1])
 
 
-async def test_a_prediction_drafts_the_answer_and_the_answer_stays_the_models():
+async def test_a_prediction_drafts_the_answer_and_the_answer_stays_the_models(always):
+    # (``always``: on a busy machine one slow wide step can make drafting look dear for
+    # the rest of this short answer; CI saw 1 step of 5 drafted tokens, then none)
     async def run(e):
         prompt = chat(e, QUESTIONS[2])
         plain = await answer(e, prompt)
