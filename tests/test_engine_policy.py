@@ -46,3 +46,22 @@ def test_admission_keeps_within_the_kv_budget():
 def test_an_oversized_request_still_starts_when_nothing_runs():
     assert P.admit(running=0, reserved=0, needs=[5000, 10]) == 1
     assert P.admit(running=1, reserved=0, needs=[5000]) == 0
+
+
+def test_a_burst_of_short_prompts_is_prefilled_by_tokens_not_eight_at_a_time():
+    q = AdmissionPolicy(budget=1000, kv_per_token=1, prefill_batch=8, prefill_step=512)
+    # 8 x 512 tokens per pass: fourteen 274-token prompts, not eight
+    assert q.prefill_group([], [274] * 100) == 14
+    assert q.prefill_group([], [64] * 100) == 64
+    # long prompts count one chunk each: never fewer than prefill_batch
+    assert q.prefill_group([], [5000] * 100) == 8
+    assert q.prefill_group([], [274] * 3) == 8  # (mlx-lm takes what waits)
+    # prompts mid-prefill count their next chunk, and stay in the pass
+    assert q.prefill_group([512] * 6, [274] * 100) == 9
+    assert P.prefill_group([], [10] * 100) == 4  # no chunk size known: as configured
+
+
+def test_first_tokens_come_first_unless_the_groups_behind_pay_more():
+    assert AdmissionPolicy.first_tokens_first(5, 0.1, float("inf"))  # unmeasured
+    assert AdmissionPolicy.first_tokens_first(3, 0.2, 4.0)  # a 50M model, 32 streams
+    assert not AdmissionPolicy.first_tokens_first(17, 0.05, 0.1)  # 256 tiny streams

@@ -48,7 +48,8 @@ async def test_a_prefilled_group_gets_its_first_tokens_before_the_next_group_is_
 
     engine._bg.next = recorded
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    gens = [engine.submit([[5 + i] * 40], params) for i in range(4)]  # two groups of 2
+    # two groups of 2: a pass holds 2 x 512 prompt tokens (``prefill_group``)
+    gens = [engine.submit([[5 + i] * 400], params) for i in range(4)]
     results = await asyncio.gather(*(finish(g) for g in gens))
     assert all(len(r) == 3 for r in results)
     first = {u for g in gens[:2] for u in g.uids}
@@ -119,3 +120,22 @@ def test_a_model_whose_body_is_not_its_model_attribute_keeps_two_passes():
             return (self.model(x) @ mx.ones((4, 8)))[:, None]
 
     assert not supported(Backbone()) and not supported(Pooled())
+
+
+async def test_a_burst_of_short_prompts_is_prefilled_in_passes_packed_by_tokens(engine):
+    """Eight 40-token prompts fit one pass of 2 x 512 tokens: one prefill pass for all
+    (by prompt count, ``prefill_batch_size: 2``, four passes and a decode step each)."""
+    passes = []
+    real = engine._bg.next
+
+    def recorded():
+        prompts, tokens = real()
+        passes.append(sum(1 for r in prompts if not r.end_of_prompt))
+        return prompts, tokens
+
+    engine._bg.next = recorded
+    gens = [engine.submit([[5 + i] * 40], SamplingParams(max_tokens=3, ignore_eos=True))
+            for i in range(8)]
+    results = await asyncio.gather(*(finish(g) for g in gens))
+    assert all(len(r) == 3 for r in results)
+    assert [n for n in passes if n] == [8], passes

@@ -152,6 +152,9 @@ class Engine:
         self.paths: dict[str, Any] = {}  # the exact paths this architecture takes
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
         self._joined = False  # the last step moved prompts from prefill to generation
+        # Seconds of a step without prefill work and the extra of one with it (moving
+        # averages): what ``first_tokens_first`` weighs.
+        self._decode_s, self._prefill_s = 0.0, float("inf")  # (inf: not measured yet)
         self._last_arrival = self._previous_arrival = float("-inf")  # submit times
 
     # ---- event-loop side -------------------------------------------------
@@ -821,11 +824,37 @@ class Engine:
             raise Rejected(str(e)) from None
         return cache, vp.ids[-1:], kind, start
 
+    def _plan_prefill(self) -> bool:
+        """Size mlx-lm's next prefill pass (``prefill_group``); True when this step only
+        decodes, to hand the group that just finished prefilling its first tokens before
+        the next group's prefill (``first_tokens_first``)."""
+        bg = self._bg
+        if self._prefill_alone or self.config.sharded:
+            return self._joined and not self.config.sharded
+        # (mlx-lm's entries: a prompt's segments left, at [0] mid-prefill, [1] waiting)
+        going = [e[0] for e in bg._currently_processing]
+        waiting = [sum(len(s) for s in e[1]) for e in bg._unprocessed_sequences]
+        group = self.policy.prefill_group([], waiting) if waiting else 1
+        first = self.policy.first_tokens_first(-(-len(waiting) // group), self._decode_s,
+                                               self._prefill_s)
+        # A group at its last token joins the batch in this step: with first tokens first,
+        # nothing new starts prefilling beside it (its first tokens would wait for that)
+        joining = any(len(s) == 1 and len(s[0]) == 1 for s in going)
+        if first and (joining or self._joined):
+            bg.prefill_batch_size = len(going)
+        elif waiting:
+            bg.prefill_batch_size = self.policy.prefill_group(
+                [sum(len(s) for s in segs) for segs in going], waiting)
+        return first and self._joined
+
     def _step(self) -> None:
-        if self._joined and not self.config.sharded:
+        alone = self._plan_prefill()
+        t0 = time.perf_counter()
+        if alone:
             prompts, responses = self._generation_only()
         else:
             prompts, responses = self._bg.next()
+        self._time_step(time.perf_counter() - t0, prompts, responses)
         # Prompts that finished their prefill in that call: their first tokens come out of
         # the next call's generation step, which would then also prefill the next group of
         # prompts (seconds on a CPU) before returning them. Hand them out first.
@@ -909,6 +938,16 @@ class Engine:
         for u, (cache, tokens) in self._bg.extract_cache(uids).items():
             self.prompt_cache.store(list(tokens), cache, self.policy.budget - self._reserved,
                                     self._seqs[u].gen.cache_scope)
+
+    def _time_step(self, seconds: float, prompts: list, responses: list) -> None:
+        """Fold one step's time into the decode and prefill averages."""
+        if any(not r.end_of_prompt for r in prompts):  # it prefilled prompt chunks
+            extra = max(0.0, seconds - (self._decode_s if responses else 0.0))
+            known = self._prefill_s < float("inf")
+            self._prefill_s = self._prefill_s + 0.3 * (extra - self._prefill_s) if known \
+                else extra
+        elif responses:
+            self._decode_s += 0.3 * (seconds - self._decode_s)
 
     def _generation_only(self) -> tuple[list, list]:
         """One step of mlx-lm's ``BatchGenerator`` that starts no new prompt: a decode

@@ -7,7 +7,7 @@ touches MLX, clocks or queues, so it is tested without a model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +73,40 @@ class AdmissionPolicy:
         together instead of one forward pass each."""
         return running > 0 and 0 < pending < self.prefill_batch \
             and oldest_age < self.admit_wait
+
+    def prefill_group(self, in_progress: Sequence[int], waiting: Iterable[int]) -> int:
+        """How many prompts the next prefill pass holds: those mid-prefill, then as many
+        waiting ones (their token counts, queue order) as fit the tokens of
+        ``prefill_batch`` full chunks, and never fewer than ``prefill_batch`` prompts.
+
+        Each pass also runs a decode step for the running batch, so a burst of short
+        prompts in groups of ``prefill_batch`` paid one (speculative, wide) decode step per
+        group for every group behind it; packed by tokens, no pass reads more prompt
+        tokens than a full group of chunks did (docs/performance.md, "A burst of 128").
+        """
+        step = self.prefill_step
+        if not step:
+            return self.prefill_batch
+        budget = self.prefill_batch * step
+        n, tokens = len(in_progress), sum(min(t, step) for t in in_progress)
+        for t in waiting:
+            t = min(t, step)
+            if n >= self.prefill_batch and tokens + t > budget:
+                break
+            n, tokens = n + 1, tokens + t
+        return max(n, self.prefill_batch)
+
+    @staticmethod
+    def first_tokens_first(groups_behind: int, decode_s: float, prefill_s: float) -> bool:
+        """Whether the step after a group of prompts finished prefilling decodes alone
+        (handing that group its first tokens before the next prefill pass) or also
+        prefills the next group. Alone, the group's first tokens come one prefill pass
+        (``prefill_s``) sooner, and every group still waiting pays one more decode step
+        (``decode_s``) before its own: worth it while the waiting groups' cost is less.
+        (Always alone, 256 streams of a tiny model spent a third of the burst in decode
+        steps between prefills; never, 32 streams of a 50M one got their first tokens a
+        whole prefill, 4 s, later.) Before a prefill is measured (``inf``): alone."""
+        return groups_behind * decode_s <= prefill_s
 
     def admit(self, running: int, reserved: int, needs: Sequence[int]) -> int:
         """How many of the waiting requests (their KV ``needs``, head first) start now.
