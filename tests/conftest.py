@@ -17,6 +17,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def _one_default_tls_context() -> None:
+    """Every httpx client the tests make shares one default TLS context. httpx builds a
+    new one per client, parsing certifi's bundle again: 43 ms of CPU on these machines,
+    and ``httpx.get`` in a polling loop makes a client per poll, so a test waiting on a
+    server at 10 polls a second took ~40% of a core from the server it waited on (and
+    no test here speaks TLS with the default context: those that use TLS bring their own)."""
+    from httpx._transports import default
+
+    made = default.create_ssl_context
+    shared = []
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return made(verify=verify, cert=cert, trust_env=trust_env)
+        if not shared:
+            shared.append(made(verify=True, trust_env=trust_env))
+        return shared[0]
+
+    default.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
+
 #: The fast tier (``bash scripts/test.sh fast``, well under 90 s): pure decisions as
 #: tables, the control plane against fake workers, formatters, in-process engine steps.
 #: Run it on every change; the rest (real processes, real models) runs in CI.

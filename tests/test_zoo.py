@@ -51,7 +51,10 @@ def reference(path: str):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    model, tok = load(path)
+    from mlxfleet.worker.tokenizer_json import quick_tokenizer_json
+
+    with quick_tokenizer_json():  # (the same tokenizer, without parsing 11-33 MB of JSON)
+        model, tok = load(path)
     rows = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     model.real_ids_only = real_ids_only(tok, rows)
 
