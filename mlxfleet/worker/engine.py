@@ -831,9 +831,12 @@ class Engine:
         bg = self._bg
         if self._prefill_alone or self.config.sharded:
             return self._joined and not self.config.sharded
+        def left(segments: list) -> int:  # prompt tokens a sequence has yet to read
+            return sum(len(s) for s in segments)
+
         # (mlx-lm's entries: a prompt's segments left, at [0] mid-prefill, [1] waiting)
         going = [e[0] for e in bg._currently_processing]
-        waiting = [sum(len(s) for s in e[1]) for e in bg._unprocessed_sequences]
+        waiting = [left(e[1]) for e in bg._unprocessed_sequences]
         group = self.policy.prefill_group([], waiting) if waiting else 1
         first = self.policy.first_tokens_first(-(-len(waiting) // group), self._decode_s,
                                                self._prefill_s)
@@ -843,8 +846,8 @@ class Engine:
         if first and (joining or self._joined):
             bg.prefill_batch_size = len(going)
         elif waiting:
-            bg.prefill_batch_size = self.policy.prefill_group(
-                [sum(len(s) for s in segs) for segs in going], waiting)
+            bg.prefill_batch_size = self.policy.prefill_group(list(map(left, going)),
+                                                              waiting)
         return first and self._joined
 
     def _step(self) -> None:
