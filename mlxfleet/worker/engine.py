@@ -218,8 +218,8 @@ class Engine:
             self._ready.set()
             self._fail_pending()
             return
-        self.state = EngineState.READY
-        self._publish(force=True)
+        self._publish(force=True)  # (before READY: a status read once /health says ready
+        self.state = EngineState.READY  # had the empty report, without its paths; CI)
         self._ready.set()
         try:
             if self.config.sharded and self.config.dist_rank > 0:
