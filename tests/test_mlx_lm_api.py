@@ -154,3 +154,57 @@ def test_a_tokenizer_json_laid_out_otherwise_is_read_whole(tmp_path):
     (tmp_path / "other.json").write_text('{"decoder": 1, "model": 2}')
     with open(tmp_path / "other.json", encoding="utf-8") as fp:
         assert load_tokenizer_json(fp) == {"decoder": 1, "model": 2}
+
+
+def test_transformers_import_structure_read_back_is_what_its_walk_finds(tmp_path):
+    """Workers keep transformers' folder walk on disk (mlxfleet/transformers_imports.py):
+    what they read back must be what transformers itself finds, and a changed
+    installation walks again."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    from mlxfleet.transformers_imports import cached
+
+    origin = find_spec("transformers.utils.import_utils").origin
+    from transformers.utils import import_utils
+
+    define = import_utils.define_import_structure.__wrapped__
+    walks = []
+
+    def walk(path, prefix=None):
+        walks.append(path)
+        return define(path, prefix)
+
+    models = Path(origin).parent.parent / "models"
+    first = cached(walk, Path(origin), tmp_path)(models, "models")
+    again = cached(walk, Path(origin), tmp_path)(models, "models")
+    assert len(walks) == 1, "the second process reads it back"
+    assert first == again == define(models, "models")
+    assert len(again[frozenset()]) > 500  # (every model's configuration module, and more)
+    # Another installation (here: another folder) is walked, not read.
+    other = tmp_path / "pkg" / "models"
+    (other / "m").mkdir(parents=True)
+    (other / "m" / "configuration_m.py").write_text("__all__ = ['MConfig']\nclass MConfig: ...\n")
+    (other / "__init__.py").write_text("")
+    got = cached(walk, Path(origin), tmp_path)(other, "models")
+    assert len(walks) == 2 and got == define(other, "models")
+    (other / "m" / "modeling_m.py").write_text("__all__ = ['MModel']\nclass MModel: ...\n")
+    got = cached(walk, Path(origin), tmp_path)(other, "models")
+    assert len(walks) == 3 and got == define(other, "models"), \
+        "a file added to a model's folder (an upgrade) walks again"
+    assert all(oct(p.stat().st_mode)[-3:] == "600" for p in tmp_path.glob("*.json"))
+
+
+def test_a_worker_process_uses_the_cached_import_structure():
+    """``install()`` (as a worker runs it) wraps transformers' walk before transformers
+    imports it by name, and transformers still imports what mlx-lm asks of it."""
+    import subprocess
+    import sys
+
+    code = ("from mlxfleet.transformers_imports import install; install()\n"
+            "import mlx_lm.tokenizer_utils, transformers\n"
+            "from transformers.utils import import_utils as u\n"
+            "print(u.define_import_structure.__module__, transformers.GemmaTokenizer.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["mlxfleet.transformers_imports", "GemmaTokenizer"], out

@@ -100,7 +100,10 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 
 
 def run_worker(config: WorkerConfig, bind: str) -> int:
+    from ..transformers_imports import install
+
     _without_torch(config)
+    install()  # (0.8 s of every worker start: transformers' folder walk, from disk)
     asyncio.run(serve_worker(config, bind))
     # Drained and stopped: leave now, without the interpreter's teardown. MLX's CUDA
     # backend aborts in its static destructors ("terminate called without an active
