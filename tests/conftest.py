@@ -41,6 +41,17 @@ def _one_default_tls_context() -> None:
 
 _one_default_tls_context()
 
+# One BLAS thread in every process the tests start. OpenBLAS (mlxfleet/blas.py) runs a
+# thread per core that spins between matmuls; with two test processes and their
+# workers sharing these 2 cores, the spinning took a third of a zoo test's CPU time
+# (system time 7.3 -> 3.2 s over four families; wall time the same) from the process
+# beside it. The tiny models' matmuls gain nothing from a second thread.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The tests' own MLX (mlx-lm references, in-process engines) on the BLAS workers use.
+from mlxfleet.blas import preload_blas  # noqa: E402
+
+preload_blas()
+
 #: The fast tier (``bash scripts/test.sh fast``, well under 90 s): pure decisions as
 #: tables, the control plane against fake workers, formatters, in-process engine steps.
 #: Run it on every change; the rest (real processes, real models) runs in CI.

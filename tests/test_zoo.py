@@ -46,15 +46,20 @@ def real_ids_only(tok, rows: int):
 
 
 @functools.cache  # (tiny models: each family is loaded once)
-def reference(path: str):
-    """mlx-lm alone on the checkpoint: (model, tokenizer, greedy ids for a prompt)."""
+def reference(path: str, tokenizer_of: str | None = None):
+    """mlx-lm alone on the checkpoint: (model, tokenizer, greedy ids for a prompt);
+    the tokenizer already loaded for ``tokenizer_of`` (a build of the same family)."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
 
     from mlxfleet.worker.tokenizer_json import quick_tokenizer_json
 
-    with quick_tokenizer_json():  # (the same tokenizer, without parsing 11-33 MB of JSON)
-        model, tok = load(path)
+    if tokenizer_of is not None:  # (building a tokenizer is most of a load: 1-2 s)
+        model, tok = load_model(Path(path))[0], reference(tokenizer_of)[1]
+    else:
+        with quick_tokenizer_json():  # (the same tokenizer, without parsing its JSON whole)
+            model, tok = load(path)
     rows = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     model.real_ids_only = real_ids_only(tok, rows)
 
@@ -395,7 +400,7 @@ def test_a_family_with_a_quantized_kv_cache_gives_mlx_lm_quantized_tokens(
     from mlxfleet.worker.quantized_cache import quantization_group
 
     path = build(family, zoo_root, head_dim=32)  # (quantization groups are 32 or more)
-    model, tok, alone = reference(str(path))
+    model, tok, _ = reference(str(path), tokenizer_of=str(build(family, zoo_root)))
     group, why = quantization_group(model, 4)
     if model.args.model_type in ("deepseek_v3", "qwen3_next", "gemma3_text", "gpt_oss",
                                  "lfm2", "nemotron_h", "gemma4_text", "qwen3_5",
