@@ -12,13 +12,14 @@ bash scripts/setup.sh test
 # -> 7.5 s to collect the suite, per test process).
 unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check mlxfleet tests benchmarks scripts examples
+# Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
+# two share these cores well (the fast tier: 34 -> 21 s). One file stays in one process
+# (its shared servers too).
+# (Not --dist loadgroup: under pytest 9.2, pytest-xdist 3.8 no longer groups the tests.)
+par=(-n "${MLXFLEET_TEST_PROCESSES:-2}" --dist loadfile)
 if [ "${1:-}" = "fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -q -m fast "$@"
+  exec .venv/bin/python -m pytest -q -m fast "${par[@]}" "$@"
 fi
-.venv/bin/python -m pytest -q -m fast "$@"
-# Two test processes (pytest-xdist): most tests wait on worker processes and sockets, so
-# two share these cores well. One file stays in one process (its shared servers too).
-# (Not --dist loadgroup: under pytest 9.2, pytest-xdist 3.8 no longer groups the tests.)
-.venv/bin/python -m pytest -q -m "not fast" -n "${MLXFLEET_TEST_PROCESSES:-2}" \
-  --dist loadfile "$@"
+.venv/bin/python -m pytest -q -m fast "${par[@]}" "$@"
+.venv/bin/python -m pytest -q -m "not fast" "${par[@]}" "$@"
