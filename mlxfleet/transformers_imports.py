@@ -9,11 +9,12 @@ down and the next ones read it back (a few milliseconds).
 
 The result is keyed by the folder walked and a fingerprint of the installation: the
 names and modification times of the folder's entries and of the files that do the
-walking (transformers' top-level ``models`` folder is walked twice: from the package
-and from ``models/__init__.py``; a model's own small folder once, when it is used). Installing another transformers version rewrites those folders (new
-entries), so its fingerprint differs and the walk runs again. The cache is JSON in
-the user's cache directory (0600 files in a 0700 folder): it holds strings only, so
-a damaged or foreign file is at worst ignored, never run.
+walking. (transformers' top-level ``models`` folder is walked twice, from the package
+and from ``models/__init__.py``; a model's own small folder once, when it is used.)
+Installing another transformers version rewrites those folders (new entries), so its
+fingerprint differs and the walk runs again. The cache is JSON in the user's cache
+directory (0600 files in a 0700 folder): it holds strings only, so a damaged or
+foreign file is at worst ignored, never run.
 
 ``install()`` must run before transformers is first imported; it hooks the import of
 ``transformers.utils.import_utils`` to wrap the function as it is defined. Where
