@@ -24,6 +24,7 @@ anything goes wrong, transformers' own walk runs, as if this module did not exis
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.abc
 import importlib.util
@@ -72,7 +73,6 @@ def cached(define: Callable[..., dict], walker: Path,
            where: Optional[Path] = None) -> Callable[..., dict]:
     """``define`` (transformers' ``define_import_structure``), reading and writing its
     answers under ``where`` (default: ``cache_dir()``)."""
-    import functools
 
     @functools.lru_cache  # (as transformers' own: the caller mutates what it gets)
     def define_import_structure(module_path: Any, prefix: Optional[str] = None) -> dict:
@@ -93,7 +93,7 @@ def cached(define: Callable[..., dict], walker: Path,
             with os.fdopen(fd, "w") as f:
                 json.dump(_encode(structure), f)
             os.replace(tmp, path)
-            return _decode(_encode(structure))  # (a fresh copy: the caller mutates it)
+            return structure  # (the walk's own: the caller may mutate it, as it does)
         except Exception:  # noqa: BLE001 - a cache must never stop transformers loading
             log.debug("transformers' import-structure cache failed", exc_info=True)
             return define(module_path, prefix)

@@ -43,9 +43,9 @@ _one_default_tls_context()
 
 # One BLAS thread in every process the tests start. OpenBLAS (mlxfleet/blas.py) runs a
 # thread per core that spins between matmuls; with two test processes and their
-# workers sharing these 2 cores, the spinning took a third of a zoo test's CPU time
-# (system time 7.3 -> 3.2 s over four families; wall time the same) from the process
-# beside it. The tiny models' matmuls gain nothing from a second thread.
+# workers sharing these 2 cores, the spinning took about a tenth of a zoo test's CPU
+# time (four families: system time 7.3 -> 3.2 s of ~40 s; wall time the same) from the
+# process beside it. The tiny models' matmuls gain nothing from a second thread.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # The tests' own MLX (mlx-lm references, in-process engines) on the BLAS workers use.
 from mlxfleet.blas import preload_blas  # noqa: E402
