@@ -13,8 +13,9 @@ walking. (transformers' top-level ``models`` folder is walked twice, from the pa
 and from ``models/__init__.py``; a model's own small folder once, when it is used.)
 Installing another transformers version rewrites those folders (new entries), so its
 fingerprint differs and the walk runs again. The cache is JSON in the user's cache
-directory (0600 files in a 0700 folder): it holds strings only, so a damaged or
-foreign file is at worst ignored, never run.
+directory (0600 files in a 0700 folder). It holds names only, never code: a damaged
+file is walked past and written again, and one forged by someone who can write the
+user's cache could at worst hide or misname transformers' own modules.
 
 ``install()`` must run before transformers is first imported; it hooks the import of
 ``transformers.utils.import_utils`` to wrap the function as it is defined. Where

@@ -193,6 +193,13 @@ def test_transformers_import_structure_read_back_is_what_its_walk_finds(tmp_path
     assert len(walks) == 3 and got == define(other, "models"), \
         "a file added to a model's folder (an upgrade) walks again"
     assert all(oct(p.stat().st_mode)[-3:] == "600" for p in tmp_path.glob("*.json"))
+    # A damaged or foreign file is walked past (and written again), never believed.
+    for junk in ("{not json", '{"a": 1}', "[[1, 2]]", '[["x", {"m": 3}]]'):
+        for p in tmp_path.glob("*.json"):
+            p.write_text(junk)
+        got = cached(walk, Path(origin), tmp_path)(other, "models")
+        assert got == define(other, "models"), junk
+    assert len(walks) == 7
 
 
 def test_a_worker_process_uses_the_cached_import_structure():
