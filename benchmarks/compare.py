@@ -244,11 +244,15 @@ def main() -> None:
     results: dict = {"streams": {}, "meta": {}}
     procs: list[Proc] = []
     try:
-        # (b) mlx_lm.server, with the same BLAS.
+        # (b) mlx_lm.server, with the same BLAS, and a listen backlog of 1024: as shipped
+        # (Python's socketserver, backlog 5) it drops most connections of a 128-stream
+        # burst (docs/performance.md), and the survivors' latencies would be compared with
+        # servers that served every request.
         p_mlx = free_port()
         code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from mlxfleet.blas import "
-                "preload_blas; preload_blas(); from mlx_lm.server import main; "
-                "sys.argv=sys.argv[1:]; main()")
+                "preload_blas; preload_blas(); import socketserver; "
+                "socketserver.TCPServer.request_queue_size = 1024; "
+                "from mlx_lm.server import main; sys.argv=sys.argv[1:]; main()")
         procs.append(Proc([PY, "-c", code, "mlx_lm.server", "--model", str(model_dir),
                            "--port", str(p_mlx), "--decode-concurrency", str(max_conc),
                            "--prompt-concurrency", "8"], tmp / "mlx_lm.log"))
@@ -296,7 +300,7 @@ def main() -> None:
                 row[name] = bench(url, model, s, args)
             results["streams"][s] = row
             print(f"streams {s}: " + ", ".join(
-                f"{k} {v['output_tokens_per_s']:.1f} tok/s" for k, v in row.items()),
+                f"{k} {v['output_tokens_per_s']:.1f} tok/s{failed(v)}" for k, v in row.items()),
                 flush=True)
 
         results["later_burst"] = bench(urls["gateway"], "bench", 8, args)
@@ -395,6 +399,14 @@ def meta(args) -> dict:
             "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
 
 
+def failed(summary: dict) -> str:
+    """" (N of M failed)" for a bench summary with failures, else "": tokens/s and TTFT
+    over the requests a server served are not comparable with a server that served all
+    (mlx_lm.server's HTTP server drops connections past its listen backlog of 5)."""
+    n = summary.get("errors") or 0
+    return f" ({n} of {summary['requests']} failed)" if n else ""
+
+
 def render(r: dict, args) -> str:
     m = r["meta"]
     lines = ["# Performance", "",
@@ -412,18 +424,27 @@ def render(r: dict, args) -> str:
         ml = row["mlx_lm.server"]["output_tokens_per_s"]
         w = row["worker"]["output_tokens_per_s"]
         g = row["gateway"]["output_tokens_per_s"]
-        lines.append(f"| {s} | {raw:.1f} | {ml:.1f} | {w:.1f} | {g:.1f} | {g / raw:.2f}x | "
-                     f"{g / ml:.2f}x |" if ml else f"| {s} | {raw:.1f} | - | {w:.1f} | "
-                     f"{g:.1f} | {g / raw:.2f}x | - |")
+        fails = [failed(row[k]) for k in ("mlx_lm.server", "worker", "gateway")]
+        lines.append(f"| {s} | {raw:.1f} | {ml:.1f}{fails[0]} | {w:.1f}{fails[1]} | "
+                     f"{g:.1f}{fails[2]} | {g / raw:.2f}x | {g / ml:.2f}x |" if ml else
+                     f"| {s} | {raw:.1f} | -{fails[0]} | {w:.1f}{fails[1]} | "
+                     f"{g:.1f}{fails[2]} | {g / raw:.2f}x | - |")
     lines += ["", "TTFT p50 / TPOT p50 (ms; TPOT: a request's time per output token after "
-              "its first, which holds when one event carries several drafted tokens):", ""]
+              "its first, which holds when one event carries several drafted tokens). "
+              "Failed requests are named: a server's tokens/s and latencies count only the "
+              "requests it served.", ""]
     lines += ["| streams | mlx_lm.server | worker | gateway |", "| --- | --- | --- | --- |"]
     for s, row in r["streams"].items():
         cells = []
         for k in ("mlx_lm.server", "worker", "gateway"):
             t, i = row[k]["ttft_ms"]["p50"], row[k]["tpot_ms"]["p50"]
-            cells.append(f"{t or 0:.0f} / {i or 0:.1f}")
+            cells.append(f"{t or 0:.0f} / {i or 0:.1f}" + failed(row[k]))
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    errors = {f"{k} at {s} streams": v["first_error"] for s, row in r["streams"].items()
+              for k, v in row.items() if v.get("errors")}
+    if errors:
+        lines += ["", "First error of each server that failed requests: " + "; ".join(
+            f"{k}: `{e}`" for k, e in errors.items())]
     lim = r["limit"]
     gemm = ", ".join(f"{v / 1e9:.0f}" for v in lim["gemm"].values())
     lines += ["", "## Against the machine's limit", "",

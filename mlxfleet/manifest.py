@@ -137,6 +137,10 @@ class BatchingSpec(_Spec):
     prefill_step_size: Optional[int] = Field(
         default=None, ge=16, description=f"prompt tokens per prefill chunk (default "
         f"{_d('prefill_step_size')})")
+    warmup: Optional[bool] = Field(
+        default=None, description="run a few short generations at load, before Ready, so "
+        "that the first requests do not pay for kernels built on first use (default "
+        f"{str(_d('warmup')).lower()})")
 
 
 class SpeculativeSpec(_Spec):

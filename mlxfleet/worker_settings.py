@@ -55,6 +55,10 @@ class WorkerConfig(BaseModel):
         json_schema_extra=_from("batching.prefill_batch_size"))
     prefill_step_size: int = Field(512, ge=16, description="prompt tokens per prefill chunk",
         json_schema_extra=_from("batching.prefill_step_size"))
+    warmup: bool = Field(True, description="before Ready, run a few short generations "
+                         "(a lone prompt, then a batch) so that kernels built on first use "
+                         "are built at load, not in the first requests",
+        json_schema_extra=_from("batching.warmup", flag=None))
     cache_bytes: int = Field(1 << 30, gt=0, description="KV memory budget: running "
                              "sequences plus retained prompt caches",
         json_schema_extra=_from(flag=None))

@@ -232,3 +232,26 @@ def test_a_text_worker_does_not_load_torch(worker):
     if not maps.exists():
         pytest.skip("no /proc here")
     assert "libtorch" not in maps.read_text()
+
+
+def test_the_warm_up_runs_before_ready_and_leaves_no_trace(start_worker):
+    """Before Ready the engine runs a lone prompt and a small batch, so that kernels MLX
+    builds on first use are not built in a user's first burst (issue #46). None of it is
+    a user's: nothing counted, cached or measured, and the first answer is the one a
+    worker without the warm-up gives."""
+    w = start_worker()
+    assert "warmed up in" in w.logs()
+    st = w.status()
+    counts = ("requests_total", "steps_executed", "generation_tokens_total",
+              "prompt_tokens_total")
+    assert [st[k] for k in counts] == [0, 0, 0, 0], st
+    assert st["prompt_cache"]["entries"] == 0 and st["prompt_cache"]["misses"] == 0
+    assert st["speculation"]["steps"] == 0 and st["speculation"]["draft_tokens"] == 0
+    cold = start_worker("--config", json.dumps({"source": "builtin:tiny", "warmup": False}))
+    assert "warmed up" not in cold.logs()
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "The quick brown fox jumps"}]}
+    answers = [x.client().post("/v1/chat/completions", json=body).json() for x in (w, cold)]
+    assert answers[0]["choices"][0]["message"]["content"] \
+        == answers[1]["choices"][0]["message"]["content"]
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -218,6 +218,8 @@ class Engine:
             self._ready.set()
             self._fail_pending()
             return
+        if not self.config.sharded and self.config.warmup:
+            self._warm_up()
         self._publish(force=True)  # (before READY: a status read once /health says ready
         self.state = EngineState.READY  # had the empty report, without its paths; CI)
         self._ready.set()
@@ -463,9 +465,61 @@ class Engine:
 
             self._bg = MirroredBatch(self._bg, self._channel)
 
-    def _new_prompt_cache(self):
+    def _warm_up(self) -> None:
+        """Run once, before READY, what a user's first requests would run first: a lone
+        prompt (its one-pass first token), then a batch of greedy and sampled rows of
+        several lengths, one of them a prompt-cache hit, decoding (and drafting, where
+        the model drafts) a few steps. Kernels that MLX builds on first use (compiled
+        functions traced, Metal and CUDA kernels built, the CPU backend's compiled C++
+        loaded) are built here, not in a first burst (issue #46: on CUDA a first
+        8-stream burst ran at a sixth of a later one). What the warm-up measured and
+        stored is then forgotten: its steps' times were cold, its prompts are no user's."""
+        from dataclasses import replace
+
+        t0 = time.monotonic()
+        text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 8
+        ids = [t for t in self.tokenizer.encode(text) if t not in self.unknown_ids][:64]
+        if len(ids) < 16:
+            return
+        q = len(ids) // 4
+        greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+        rounds = [
+            [Generation([ids[:q]], greedy, 1)],
+            [Generation([ids[:2 * q], ids[:3 * q], ids[:q] + ids[3 * q:]],
+                        replace(greedy, max_tokens=8), 1),
+             Generation([ids[q:3 * q]], replace(greedy, max_tokens=8, temperature=0.8,
+                                                top_p=0.9), 1)],
+        ]
+        real_cache = self.prompt_cache
+        self.prompt_cache = self._new_prompt_cache(with_disk=False)
+        try:
+            for gens in rounds:
+                for gen in gens:
+                    self._handle(_Submit(gen))
+                for _ in range(100):  # (a few steps; bounded, whatever the model does)
+                    self._admit()
+                    if not self._seqs:
+                        break  # all done, or a KV budget too small to start them
+                    self._step()
+        except Exception as e:  # noqa: BLE001 - the first request will say what is wrong
+            log.warning("warm-up failed: %s: %s", type(e).__name__, e)
+        if self._pending or self._seqs:  # (failed or cut short: start from an empty batch)
+            self._seqs, self._reserved = {}, 0
+            self._pending.clear()
+            self._new_batch()
+        self.prompt_cache = real_cache
+        self.stats = EngineStats()
+        self._waits.clear()
+        self._decode_s, self._prefill_s = 0.0, float("inf")
+        self._last_arrival = self._previous_arrival = float("-inf")
+        if self._speculator is not None:
+            self._speculator.forget_measurements()
+        log.info("warmed up in %.2fs", time.monotonic() - t0)
+
+    def _new_prompt_cache(self, with_disk: bool = True):
         """The block cache when asked for and the model's layers can be cut into blocks
-        (plain ``KVCache``), else the whole-prompt LRU; none for a sharded model."""
+        (plain ``KVCache``), else the whole-prompt LRU; none for a sharded model.
+        ``with_disk=False``: without the disk tier (the warm-up's)."""
         cfg = self.config
         if cfg.sharded:
             from .distributed import NoPromptCache
@@ -482,7 +536,7 @@ class Engine:
             log.warning("this model's KV caches (%s) cannot be cut into blocks; keeping "
                         "whole prompts", ", ".join(sorted(k.__name__ for k in kinds)))
         disk = None
-        if cfg.disk_cache_bytes and cfg.disk_cache_dir:
+        if with_disk and cfg.disk_cache_bytes and cfg.disk_cache_dir:
             from pathlib import Path
 
             from .disk_cache import DiskTier, identity

@@ -273,6 +273,16 @@ class Speculator:
         if self.draft is not None:
             self.draft.reset()
 
+    def forget_measurements(self) -> None:
+        """Start again from the priors: step times, acceptance and counts (after the
+        engine's warm-up, whose steps ran cold kernels over no user's text)."""
+        self.reset()
+        self.cost, self.stats = StepCost(), Stats()
+        self.accept = PRIOR_ACCEPT
+        self._idle, self._probe_every = 0, PROBE_EVERY
+        if self.draft is not None:
+            self.draft.cost = StepCost()
+
     def predict(self, uid: int, tokens: list[int]) -> None:
         """The client's prediction of ``uid``'s output (OpenAI's ``prediction``)."""
         if tokens:
