@@ -94,6 +94,21 @@ async def test_chunks_are_relayed_as_the_worker_wrote_them_and_the_connection_ke
     c.close()
 
 
+async def test_a_primed_pool_serves_a_first_burst_on_connections_already_open(tmp_path):
+    s = await serve(tmp_path, "chunked")
+    c = UDSClient(tmp_path / "w.sock")
+    await c.prime(4)
+    await asyncio.sleep(0.05)  # (the server has accepted them)
+    assert s.connections == 4
+    await c.prime(4)  # as many are idle already: none more
+    rs = await asyncio.gather(*(c.request("POST", "/v1/x", b"{}", {}) for _ in range(4)))
+    for r in rs:
+        assert b"".join([x async for x in r.aiter_raw()]) == b"data: 1\n\ndata: 2\n\n"
+    assert s.connections == 4 and len(s.bodies) == 4
+    c.close()
+    await UDSClient(tmp_path / "gone.sock").prime(2)  # nothing listens: nothing opened
+
+
 async def test_an_unframed_answer_ends_when_the_worker_closes(tmp_path):
     await serve(tmp_path, "unframed")
     c = UDSClient(tmp_path / "w.sock")

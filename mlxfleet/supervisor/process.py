@@ -31,6 +31,9 @@ log = logging.getLogger("mlxfleet.supervisor")
 PARENT_FD_ENV = "MLXFLEET_PARENT_FD"
 #: The server's secrets: a worker needs none of them (it is reached only through the gateway).
 SECRET_ENV = frozenset({"MLXFLEET_API_KEY", "MLXFLEET_ADMIN_KEY", "MLXFLEET_FLEET_KEY"})
+#: Connections opened to a worker as it becomes ready (a first burst of up to this many
+#: requests then pays no connection setup; docs/performance.md, "The first burst").
+PRIMED_CONNECTIONS = 16
 
 
 class WorkerProcess(InflightCounter):
@@ -156,6 +159,7 @@ class WorkerProcess(InflightCounter):
             if h is not None:
                 if h.get("state") == "ready":
                     self.ready_at, self.paths = time.monotonic(), h.get("paths")
+                    await self._pool().prime(PRIMED_CONNECTIONS)
                     return True, ""
                 if h.get("state") == "failed":
                     return False, h.get("error") or "the model failed to load"

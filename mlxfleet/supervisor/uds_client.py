@@ -143,6 +143,19 @@ class UDSClient:
         except _Stale as e:
             raise WorkerFailed(str(e)) from None
 
+    async def prime(self, n: int) -> None:
+        """Open connections until ``n`` are idle (a worker has just become ready), so that
+        the first burst finds them open as later bursts do; one that fails is left out."""
+        async def one() -> None:
+            try:
+                reader, writer = await self._connect()
+            except OSError:
+                return
+            self._give_back(reader, writer, True)
+
+        await asyncio.gather(*(one() for _ in range(min(n, _IDLE_CONNECTIONS)
+                                                    - len(self._idle))))
+
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new connection, waiting its turn: a few connect at a time, and one whose
         worker's accept queue is full (EAGAIN) tries again shortly instead of failing."""
