@@ -483,23 +483,17 @@ class Engine:
             return
         q = len(ids) // 4
         greedy = SamplingParams(max_tokens=4, ignore_eos=True)
-
-        def batch(shift: int, tokens: int) -> list[Generation]:
-            rows = [ids[shift:2 * q], ids[shift:3 * q], ids[:q] + ids[3 * q - shift:]]
-            return [Generation(rows, replace(greedy, max_tokens=tokens), 1),
-                    Generation([ids[q:3 * q]], replace(greedy, max_tokens=tokens,
-                                                       temperature=0.8, top_p=0.9), 1)]
-
-        # The lone prompt and the first batch run cold; the second batch runs warm, and
-        # its step times are what the speculation's cost fit and the prefill timing keep
-        # (with the priors instead, a first burst drafted less: 0.86x of a later one).
-        rounds = [[Generation([ids[:q]], greedy, 1)], batch(0, 8), batch(1, 16)]
+        rounds = [
+            [Generation([ids[:q]], greedy, 1)],
+            [Generation([ids[:2 * q], ids[:3 * q], ids[:q] + ids[3 * q:]],
+                        replace(greedy, max_tokens=8), 1),
+             Generation([ids[q:3 * q]], replace(greedy, max_tokens=8, temperature=0.8,
+                                                top_p=0.9), 1)],
+        ]
         real_cache = self.prompt_cache
         self.prompt_cache = self._new_prompt_cache(with_disk=False)
         try:
-            for n, gens in enumerate(rounds):
-                if n == len(rounds) - 1:
-                    self._forget_timings()
+            for gens in rounds:
                 for gen in gens:
                     self._handle(_Submit(gen))
                 for _ in range(100):  # (a few steps; bounded, whatever the model does)
@@ -516,16 +510,11 @@ class Engine:
         self.prompt_cache = real_cache
         self.stats = EngineStats()
         self._waits.clear()
+        self._decode_s, self._prefill_s = 0.0, float("inf")
         self._last_arrival = self._previous_arrival = float("-inf")
         if self._speculator is not None:
-            self._speculator.forget_measurements(keep_cost=True)
-        log.info("warmed up in %.2fs", time.monotonic() - t0)
-
-    def _forget_timings(self) -> None:
-        """Step times measured so far (cold kernels: not what the model costs)."""
-        self._decode_s, self._prefill_s = 0.0, float("inf")
-        if self._speculator is not None:
             self._speculator.forget_measurements()
+        log.info("warmed up in %.2fs", time.monotonic() - t0)
 
     def _new_prompt_cache(self, with_disk: bool = True):
         """The block cache when asked for and the model's layers can be cut into blocks

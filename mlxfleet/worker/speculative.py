@@ -273,18 +273,15 @@ class Speculator:
         if self.draft is not None:
             self.draft.reset()
 
-    def forget_measurements(self, keep_cost: bool = False) -> None:
-        """Start again from the priors: acceptance and counts (the engine's warm-up drafts
-        over no user's text), and the step times too unless ``keep_cost`` (they are kept
-        from its warm steps, not from cold ones)."""
+    def forget_measurements(self) -> None:
+        """Start again from the priors: step times, acceptance and counts (after the
+        engine's warm-up, whose steps ran cold kernels over no user's text)."""
         self.reset()
-        self.stats = Stats()
+        self.cost, self.stats = StepCost(), Stats()
         self.accept = PRIOR_ACCEPT
         self._idle, self._probe_every = 0, PROBE_EVERY
-        if not keep_cost:
-            self.cost = StepCost()
-            if self.draft is not None:
-                self.draft.cost = StepCost()
+        if self.draft is not None:
+            self.draft.cost = StepCost()
 
     def predict(self, uid: int, tokens: list[int]) -> None:
         """The client's prediction of ``uid``'s output (OpenAI's ``prediction``)."""
