@@ -8,7 +8,6 @@ the work itself lives in the modules each command calls.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -291,22 +290,10 @@ def _run_serve(args) -> int:
                 "preload: true, keepAlive: forever}\n")
             print(f"embedding model: {args.embedding_model} as '{emb}'", file=sys.stderr)
         settings.manifests_dir = folder
-    _run_loop(serve(settings))
+    from .event_loop import run_loop
+
+    run_loop(serve(settings))
     return 0
-
-
-def _run_loop(main) -> None:
-    """Run the gateway's event loop: uvloop where it is installed (a faster loop for the
-    hop every request takes), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    if uvloop is None or sys.version_info < (3, 11):
-        asyncio.run(main)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
 
 
 def _quick_start_defaults(args) -> dict:

@@ -100,11 +100,12 @@ def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
 
 
 def run_worker(config: WorkerConfig, bind: str) -> int:
+    from ..event_loop import run_loop
     from ..transformers_imports import install
 
     _without_torch(config)
     install()  # (0.8 s of every worker start: transformers' folder walk, from disk)
-    asyncio.run(serve_worker(config, bind))
+    run_loop(serve_worker(config, bind))
     # Drained and stopped: leave now, without the interpreter's teardown. MLX's CUDA
     # backend aborts in its static destructors ("terminate called without an active
     # exception", exit code 134) when Python unloads it; nothing is left to flush but
