@@ -152,6 +152,10 @@ class Engine:
         self.paths: dict[str, Any] = {}  # the exact paths this architecture takes
         self._step_failures = 0  # in a row; past STEP_FAILURES_FATAL the engine gives up
         self._joined = False  # the last step moved prompts from prefill to generation
+        self._forget_timings()
+
+    def _forget_timings(self) -> None:
+        """No step or arrival measured yet (at start, and after the warm-up's)."""
         # Seconds of a step without prefill work and the extra of one with it (moving
         # averages): what ``first_tokens_first`` weighs.
         self._decode_s, self._prefill_s = 0.0, float("inf")  # (inf: not measured yet)
@@ -510,8 +514,7 @@ class Engine:
         self.prompt_cache = real_cache
         self.stats = EngineStats()
         self._waits.clear()
-        self._decode_s, self._prefill_s = 0.0, float("inf")
-        self._last_arrival = self._previous_arrival = float("-inf")
+        self._forget_timings()
         if self._speculator is not None:
             self._speculator.forget_measurements()
         log.info("warmed up in %.2fs", time.monotonic() - t0)

@@ -261,10 +261,7 @@ class Speculator:
         self.draft = draft
         self.rows: dict[int, Row] = {}
         self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
-        self.cost = StepCost()
-        self.stats = Stats()
-        self.accept = PRIOR_ACCEPT  # over all sequences: a new one's prior (draft model)
-        self._idle, self._probe_every = 0, PROBE_EVERY
+        self.forget_measurements()
 
     def reset(self) -> None:
         """A new batch (its uids start again from 0): forget every row."""
@@ -274,11 +271,11 @@ class Speculator:
             self.draft.reset()
 
     def forget_measurements(self) -> None:
-        """Start again from the priors: step times, acceptance and counts (after the
-        engine's warm-up, whose steps ran cold kernels over no user's text)."""
+        """Start from the priors: step times, acceptance and counts (at start, and after
+        the engine's warm-up, whose steps ran cold kernels over no user's text)."""
         self.reset()
         self.cost, self.stats = StepCost(), Stats()
-        self.accept = PRIOR_ACCEPT
+        self.accept = PRIOR_ACCEPT  # over all sequences: a new one's prior (draft model)
         self._idle, self._probe_every = 0, PROBE_EVERY
         if self.draft is not None:
             self.draft.cost = StepCost()
