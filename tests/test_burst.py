@@ -10,10 +10,14 @@ its turn when the queue is full; the worker listens with room for every request 
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 from served import Served, manifest
+
+from mlxfleet.supervisor.process import PRIMED_CONNECTIONS
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +31,21 @@ def served(tmp_path_factory):
         yield f
     finally:
         f.stop()
+
+
+def _connections_to(sock: Path) -> int:
+    """Connected sockets a worker accepted on ``sock`` (Linux lists them in /proc/net/unix
+    under the listening socket's path, state 03; the listening one is 01)."""
+    rows = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return sum(1 for r in rows if r.endswith(" " + str(sock)) and r.split()[5] == "03")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the kernel's socket table")
+def test_the_gateway_opens_connections_to_a_worker_as_it_becomes_ready(served):
+    # A first burst after Ready finds connections open instead of paying to open them
+    # (issue #46): before any request, the worker already holds the gateway's pool.
+    (sock,) = served.run_dir.glob("mlxfleet-*/*.sock")
+    assert _connections_to(sock) >= PRIMED_CONNECTIONS
 
 
 def test_512_streams_at_once_are_all_answered(served):
