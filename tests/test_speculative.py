@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -226,6 +227,34 @@ def test_a_row_that_stops_paying_stops_drafting_and_resumes_when_shadow_drafts_h
         row.shadow = [9] + [4] * 8
     assert row.accept > 0.9
     assert spec._width([row], [[4] * 8]) == 8  # nine tokens for 2.4 steps' time
+
+
+def test_a_cost_fit_that_judges_wide_steps_too_dear_is_measured_again_by_a_probe():
+    """A burst's rows grow beside its prefill, and those plain steps' times can fit as
+    all cost per token read, no fixed cost: then no width ever pays, however well the
+    drafts are accepted, and only a wide step could show otherwise."""
+    spec = Speculator(max_draft=8)
+    for n in range(8, 129, 8):  # 0.3 ms per row, nothing fixed
+        spec.cost.add(n, 0.0003 * n)
+    rows = [Row(Lookup([1, 2, 3])) for _ in range(128)]
+    for row in rows:
+        row.accept = 0.99  # shadow drafts: nearly every one would have been accepted
+    drafts = [[4] * 8] * 128
+    assert spec._width(rows, drafts) == 0
+    widths = [spec._width(rows, drafts) or spec._probe(rows, drafts) for _ in range(15)]
+    assert widths == [0] * 15
+    # A step that rows join also pays for merging their caches: neither timed nor probed.
+    batch = SimpleNamespace(uids=[7], tokens=[[1, 2, 3]])
+    spec._rows(batch)
+    assert spec._joined and spec._probe(rows, drafts) == 0
+    spec._rows(batch)  # the same rows: an ordinary step again
+    assert not spec._joined and spec._probe(rows, drafts) == 2  # the 16th: a probe
+    spec.cost.add(128 * 3, 1.5 * spec.cost(128))  # three tokens a row for 1.5 x a step
+    assert spec._width(rows, drafts) == 8  # then it drafts wide, as it pays
+    # Where acceptance is what says no, there is no probe (shadow drafts measure it).
+    for row in rows:
+        row.accept = 0.1
+    assert not any(spec._probe(rows, drafts) for _ in range(64))
 
 
 def test_a_worker_with_a_draft_model_serves_the_openai_sdk_and_says_so(start_worker):

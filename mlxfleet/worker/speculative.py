@@ -41,9 +41,10 @@ NGRAM_MAX, NGRAM_MIN = 4, 2
 PRIOR_ACCEPT, ACCEPT_RATE = 0.5, 0.2
 #: Speculate only when the expected tokens per second beat a plain step by this much.
 MARGIN = 1.05
-#: With a draft model, after this many steps without drafting one step drafts anyway
-#: (2 tokens), to measure again; the wait doubles after each probe, up to PROBE_MAX.
-#: (Its drafts cost a pass each: there are no free shadow drafts to judge.)
+#: After this many steps without drafting, one step drafts anyway (2 tokens), to measure
+#: again; the wait doubles after each probe, up to PROBE_MAX. With a draft model, whose
+#: drafts cost a pass each (no free shadow drafts to judge), this measures acceptance;
+#: with prompt lookup, what a wider step costs (see ``_probe``).
 PROBE_EVERY, PROBE_MAX = 16, 1024
 #: How fast the model-wide acceptance estimate (a new sequence's prior) moves.
 MODEL_ACCEPT_RATE = 0.05
@@ -260,6 +261,7 @@ class Speculator:
         self.max_draft = max_draft
         self.draft = draft
         self.rows: dict[int, Row] = {}
+        self._joined = False  # whether rows joined the batch in this step
         self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
         self.forget_measurements()
 
@@ -299,7 +301,8 @@ class Speculator:
         t0 = time.perf_counter()
         if drafts is None:
             out = GenerationBatch.next(gb)
-            self.cost.add(len(rows), time.perf_counter() - t0)
+            if not self._joined:
+                self.cost.add(len(rows), time.perf_counter() - t0)
             produced: dict[int, list[int]] = {}
             for r in out:
                 produced.setdefault(r.uid, []).append(r.token)
@@ -311,19 +314,25 @@ class Speculator:
             return out
         width = 1 + max(len(d) for d in drafts)
         out = self._verify(gb, rows, drafts, width)
-        self.cost.add(len(rows) * width, time.perf_counter() - t0)
+        if not self._joined:
+            self.cost.add(len(rows) * width, time.perf_counter() - t0)
         return out
 
     def _rows(self, gb: Any) -> list[Row]:
-        """Each batch row's drafting state (made when a sequence first shows up)."""
+        """Each batch row's drafting state (made when a sequence first shows up). A step
+        that rows joined is not timed for the cost fit: it also pays for their joining
+        (their caches merged into the batch's), up to twice a plain step's time while a
+        burst's rows come in, which would make every token read look dearer."""
         live = set(gb.uids)
         for uid in [u for u in self.rows if u not in live]:
             del self.rows[uid]
             self.predictions.pop(uid, None)
         out = []
+        self._joined = False
         for i, uid in enumerate(gb.uids):
             row = self.rows.get(uid)
             if row is None:
+                self._joined = True
                 pred = self.predictions.get(uid)
                 row = self.rows[uid] = Row(Lookup(gb.tokens[i]),
                                            Lookup(pred) if pred else None)
@@ -344,7 +353,7 @@ class Speculator:
             return None
         pending = gb._next_tokens.tolist()
         drafts = [row.draft(k, y) if ok else [] for ok, row, y in zip(eligible, rows, pending)]
-        width = self._width(rows, drafts)
+        width = self._width(rows, drafts) or self._probe(rows, drafts)
         if width == 0:
             for row, d, y in zip(rows, drafts, pending):
                 if d and not row.shadow:
@@ -360,13 +369,9 @@ class Speculator:
         if not any(eligible):
             return None
         width = self._width(rows, [[0] * self.max_draft if ok else [] for ok in eligible])
-        if width:
-            self._idle, self._probe_every = 0, PROBE_EVERY
-        else:
-            self._idle += 1
-            if self._idle < self._probe_every:
+        if not width:
+            if not self._probe_due():
                 return None
-            self._idle, self._probe_every = 0, min(PROBE_MAX, 2 * self._probe_every)
             width = min(2, self.max_draft)  # a probe: is it worth drafting again?
         pending = gb._next_tokens.tolist()
         drafted = self.draft.propose(gb.uids, [r.own.tokens for r in rows], pending, width)
@@ -384,7 +389,33 @@ class Speculator:
             rate = (b + gain) / (self.cost(b * (1 + k)) + drafting)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best:
+            self._idle, self._probe_every = 0, PROBE_EVERY
         return best
+
+    def _probe(self, rows: list[Row], drafts: list[list[int]]) -> int:
+        """A 2-token width now and then when the drafts would be accepted but the cost fit
+        judges any wider step too dear (0: not this step). The fit learns what a wide step
+        costs only from wide steps; from plain steps alone (the rows of a burst growing
+        beside its prefill, whose steps run slower) it can overrate the cost of each token
+        read and keep drafting off for a whole burst. Measured (builtin:tiny, 128 streams,
+        every draft accepted): one worker start in five took 3 speculative steps of 134
+        instead of 14 of 56, at 0.7x the tokens/s and 1.3x the CPU."""
+        w = min(2, self.max_draft)
+        if self._joined:
+            return 0  # (its time would not be measured)
+        if sum(row.expected(min(w, len(d))) for row, d in zip(rows, drafts)) < len(rows) / 2:
+            return 0  # acceptance says no, not the cost: shadow drafts keep measuring it
+        return w if self._probe_due() else 0
+
+    def _probe_due(self) -> bool:
+        """Counts a step that did not draft; True every ``_probe_every``-th (which then
+        doubles, up to PROBE_MAX, until a step drafts because it pays)."""
+        self._idle += 1
+        if self._idle < self._probe_every:
+            return False
+        self._idle, self._probe_every = 0, min(PROBE_MAX, 2 * self._probe_every)
+        return True
 
     def _verify(self, gb: Any, rows: list[Row], drafts: list[list[int]],
                 width: int) -> list:
