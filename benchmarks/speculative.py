@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["edit", "chat", "sampled"])
     ap.add_argument("--repeats", type=int, default=2, help="rounds per server and cell "
                     "(alternating order; the best counts)")
+    ap.add_argument("--servers", nargs="+", help="run only these, named as in the table "
+                    "(mlx_lm.server + draft times out at 32 streams: minutes per round)")
     args = ap.parse_args()
     n = max(args.streams)
     work = workloads(n)
@@ -216,6 +218,9 @@ def main() -> None:
                           "--max-concurrency", str(n), "--max-request-tokens", "4096",
                           "--cache-mb", "2048", "--draft-tokens", str(args.draft_tokens),
                           *extra]
+    if args.servers:
+        commands = {k: v for k, v in commands.items() if k in args.servers}
+    counted = tuple(c for c in counted if c in commands)
     procs: dict[str, Proc] = {}
     urls: dict[str, str] = {}
 
@@ -263,7 +268,8 @@ def main() -> None:
                 print(kind, s, {k: round(v["tokens_per_s"], 1) for k, v in row.items()},
                       "acceptance", [row[c]["acceptance"] for c in counted], flush=True)
         for name in ("mlx_lm.server", "mlxfleet"):
-            results["lone_ms"][name] = lone_ms(urls[name], model[name])
+            if name in urls:
+                results["lone_ms"][name] = lone_ms(urls[name], model[name])
     finally:
         for p in procs.values():
             p.stop()
@@ -286,17 +292,20 @@ def render(r: dict, args) -> str:
     def acc(a):
         return f"{a:.0%}" if a is not None else "no drafts"
 
+    def ratio(row, name):  # (a server left out with --servers: "-")
+        if name not in row or "mlx_lm.server" not in row:
+            return "-"
+        return f"{row[name]['tokens_per_s'] / row['mlx_lm.server']['tokens_per_s']:.2f}x"
+
     for key, row in r["rounds"].items():
-        base = row["mlx_lm.server"]["tokens_per_s"]
         lines.append(f"| {key} | " + " | ".join(cell(row[n]) for n in names)
-                     + f" | {row['mlxfleet']['tokens_per_s'] / base:.2f}x"
-                     + f" | {row['mlxfleet + draft']['tokens_per_s'] / base:.2f}x | "
-                     + f"{acc(row['mlxfleet']['acceptance'])} / "
-                     + f"{acc(row['mlxfleet + draft']['acceptance'])} |")
+                     + f" | {ratio(row, 'mlxfleet')} | {ratio(row, 'mlxfleet + draft')} | "
+                     + " / ".join(acc(row[n]["acceptance"]) if n in row else "-"
+                                  for n in ("mlxfleet", "mlxfleet + draft")) + " |")
     lone = r["lone_ms"]
     lines.append("")
-    lines.append(f"Lone 1-token request (median of 20): mlx_lm.server "
-                 f"{lone['mlx_lm.server']:.1f} ms, mlxfleet {lone['mlxfleet']:.1f} ms.")
+    lines.append("Lone 1-token request (median of 20): " + ", ".join(
+        f"{k} {v:.1f} ms" for k, v in lone.items()) + ".")
     import platform
 
     import mlx.core as mx

@@ -257,6 +257,28 @@ def test_a_cost_fit_that_judges_wide_steps_too_dear_is_measured_again_by_a_probe
     assert not any(spec._probe(rows, drafts) for _ in range(64))
 
 
+def test_only_a_step_that_drafts_waits_for_the_step_in_flight():
+    """The pending tokens are read (waiting for the pass computing them) only when the
+    step drafts: a plain step keeps mlx-lm's overlap of the next pass with this one."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    class InFlight:
+        def tolist(self):
+            raise AssertionError("a plain step waited for the step in flight")
+
+    spec = Speculator(max_draft=8)
+    gb = SimpleNamespace(uids=[0], tokens=[[1, 2, 3, 1, 2, 3, 1, 2]], samplers=None,
+                         logits_processors=None, fallback_sampler=greedy_sampler,
+                         _next_tokens=InFlight())
+    rows = spec._rows(gb)
+    rows[0].accept = 0.01  # its drafts are rarely accepted: no width pays
+    assert spec._plan(gb, rows) is None
+    assert rows[0].shadow == [3, 1, 2, 3, 1, 2, 3, 1, 2]  # judged on what comes instead
+    rows[0].shadow, rows[0].accept = [], 0.99
+    gb._next_tokens = SimpleNamespace(tolist=lambda: [3])  # the pending token: 3
+    assert spec._plan(gb, rows) == [[1, 2, 3, 1, 2, 3, 1, 2]]  # the draft after it
+
+
 def test_a_worker_with_a_draft_model_serves_the_openai_sdk_and_says_so(start_worker):
     w = start_worker("--speculative", "auto", "--draft-model", "builtin:tiny",
                      source="builtin:tiny-10m", name="tiny")

@@ -346,20 +346,24 @@ class Speculator:
         eligible = [_kind(gb, i) != PLAIN for i in range(len(rows))]
         if self.draft is not None:
             return self._plan_with_model(gb, rows, eligible)
-        # Drafts found without the pending token (not read yet: reading it waits for the
-        # step in flight); they cover that token too, so they are one longer.
+        # Drafts found without the pending token, so one longer: their first token is a
+        # guess at it. The width is chosen from them, and only a step that drafts reads
+        # the pending tokens: reading them waits for the step in flight, and a plain step
+        # that does not wait builds the next pass while this one computes (mlx-lm's
+        # overlap, which keeps a GPU busy between steps).
         k = self.max_draft
-        if not any(ok and row.draft(k + 1) for ok, row in zip(eligible, rows)):
+        guesses = [row.draft(k + 1) if ok else [] for ok, row in zip(eligible, rows)]
+        if not any(guesses):
+            return None
+        ahead = [g[1:] for g in guesses]
+        width = self._width(rows, ahead) or self._probe(rows, ahead)
+        if width == 0:
+            for row, g in zip(rows, guesses):
+                if g and not row.shadow:  # judged on the tokens that come instead; a
+                    row.shadow, row.shadow_hits = g, 0  # wrong guess judges nothing
             return None
         pending = gb._next_tokens.tolist()
-        drafts = [row.draft(k, y) if ok else [] for ok, row, y in zip(eligible, rows, pending)]
-        width = self._width(rows, drafts) or self._probe(rows, drafts)
-        if width == 0:
-            for row, d, y in zip(rows, drafts, pending):
-                if d and not row.shadow:
-                    row.shadow, row.shadow_hits = [y] + d, 0
-            return None
-        return [d[:width] for d in drafts]
+        return [row.draft(width, y) if ok else [] for ok, row, y in zip(eligible, rows, pending)]
 
     def _plan_with_model(self, gb: Any, rows: list[Row],
                          eligible: list[bool]) -> Optional[list[list[int]]]:
