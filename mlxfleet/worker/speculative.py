@@ -403,8 +403,8 @@ class Speculator:
         costs only from wide steps; from plain steps alone (the rows of a burst growing
         beside its prefill, whose steps run slower) it can overrate the cost of each token
         read and keep drafting off for a whole burst. Measured (builtin:tiny, 128 streams,
-        every draft accepted): one worker start in five took 3 speculative steps of 134
-        instead of 14 of 56, at 0.7x the tokens/s and 1.3x the CPU."""
+        every draft accepted): one worker start in 4 to 8 took 134 steps, 3 of them
+        speculative, where the others took 46-76 (docs/performance.md)."""
         w = min(2, self.max_draft)
         if self._joined:
             return 0  # (its time would not be measured)
