@@ -387,8 +387,7 @@ class Speculator:
         a draft model's passes count in the cost."""
         b = len(rows)
         best, best_rate = 0, b / self.cost(b) * MARGIN
-        for k in range(1, max(len(d) for d in drafts) + 1):
-            gain = sum(row.expected(min(k, len(d))) for row, d in zip(rows, drafts))
+        for k, gain in enumerate(_gains(rows, drafts), start=1):
             drafting = self.draft.seconds(b, k, self.cost) if self.draft else 0.0
             rate = (b + gain) / (self.cost(b * (1 + k)) + drafting)
             if rate > best_rate:
@@ -408,7 +407,8 @@ class Speculator:
         w = min(2, self.max_draft)
         if self._joined:
             return 0  # (its time would not be measured)
-        if sum(row.expected(min(w, len(d))) for row, d in zip(rows, drafts)) < len(rows) / 2:
+        gains = _gains(rows, [d[:w] for d in drafts])
+        if not len(gains) or gains[-1] < len(rows) / 2:
             return 0  # acceptance says no, not the cost: shadow drafts keep measuring it
         return w if self._probe_due() else 0
 
@@ -515,6 +515,20 @@ class Speculator:
         if keep:
             mx.async_eval(gb._next_tokens, gb._next_logprobs)
         return [r for rs in responses for r in rs]
+
+
+def _gains(rows: list[Row], drafts: list[list[int]]) -> Any:
+    """The tokens that drafts of each length k = 1, 2 ... (cut to each row's own) are
+    expected to add over all rows: ``Row.expected`` summed, for every k in one go. Per
+    row and k in Python it took 3.6 ms a step at 256 rows (1.5 ms at 128), the engine
+    thread's time and the GIL's; this takes a fraction of a millisecond."""
+    import numpy as np
+
+    k = max((len(d) for d in drafts), default=0)
+    p = np.fromiter((r.accept for r in rows), float, len(rows))[:, None]
+    n = np.fromiter((len(d) for d in drafts), int, len(drafts))[:, None]
+    j = np.arange(1, k + 1)
+    return np.where(j <= n, p ** j, 0.0).cumsum(axis=1).sum(axis=0)
 
 
 def cut_back(caches: list, discard: list[int]) -> None:
