@@ -17,7 +17,7 @@ import pytest
 
 from mlxfleet.worker.engine import Engine
 from mlxfleet.worker.sampling import SamplingParams
-from mlxfleet.worker.speculative import Lookup, Row, Speculator, accept_sampled
+from mlxfleet.worker.speculative import Lookup, Row, Speculator, _gains, accept_sampled
 from mlxfleet.worker_settings import WorkerConfig
 
 QUESTIONS = ["Please repeat these words: apple river stone apple river stone cloud",
@@ -255,6 +255,17 @@ def test_a_cost_fit_that_judges_wide_steps_too_dear_is_measured_again_by_a_probe
     for row in rows:
         row.accept = 0.1
     assert not any(spec._probe(rows, drafts) for _ in range(64))
+
+
+def test_the_gains_of_every_width_are_each_rows_expected_tokens_summed():
+    rows = [Row(Lookup([1])) for _ in range(3)]
+    for row, p in zip(rows, (0.9, 0.5, 0.1)):
+        row.accept = p
+    drafts = [[4] * 8, [4] * 2, []]  # each row's draft caps what it can add
+    want = [sum(r.expected(min(k, len(d))) for r, d in zip(rows, drafts))
+            for k in range(1, 9)]
+    assert list(_gains(rows, drafts)) == pytest.approx(want)
+    assert len(_gains(rows, [[], [], []])) == 0  # no drafts: no width to weigh
 
 
 def test_only_a_step_that_drafts_waits_for_the_step_in_flight():
