@@ -262,8 +262,8 @@ def test_the_gains_of_every_width_are_each_rows_expected_tokens_summed():
     for row, p in zip(rows, (0.9, 0.5, 0.1)):
         row.accept = p
     drafts = [[4] * 8, [4] * 2, []]  # each row's draft caps what it can add
-    want = [sum(r.expected(min(k, len(d))) for r, d in zip(rows, drafts))
-            for k in range(1, 9)]
+    want = [sum(sum(r.accept ** j for j in range(1, min(k, len(d)) + 1))
+                for r, d in zip(rows, drafts)) for k in range(1, 9)]
     assert list(_gains(rows, drafts)) == pytest.approx(want)
     assert len(_gains(rows, [[], [], []])) == 0  # no drafts: no width to weigh
 
