@@ -5,6 +5,9 @@ greedy decoding is deterministic and token counts are exact)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -238,6 +241,24 @@ def test_stream_interval_groups_tokens_into_fewer_chunks(client):
                                           temperature=0, stream=True,
                                           extra_body={"stream_interval": 5}))
     assert len([c for c in comp if c.choices]) <= 2
+
+
+def test_mlxfleet_bench_counts_every_token_of_every_stream(worker):
+    """``mlxfleet bench``: its figures are the server's usage, every stream's, no error."""
+    r = subprocess.run([sys.executable, "-m", "mlxfleet", "bench", "--url", worker.base_url,
+                        "--model", "tiny", "-c", "3", "-n", "5", "--max-tokens", "12",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["errors"] == 0 and report["output_tokens"] == 5 * 12
+    assert 0 < report["ttft_ms"]["p50"] <= report["wall_s"] * 1000
+    bad = subprocess.run([sys.executable, "-m", "mlxfleet", "bench", "--url", worker.base_url,
+                          "--model", "tiny", "-c", "2", "-n", "2", "--max-tokens", "0",
+                          "--json"],
+                         capture_output=True, text=True, timeout=120)
+    report = json.loads(bad.stdout)
+    assert bad.returncode == 1 and report["errors"] == 2  # every request failed: said so
+    assert report["first_error"].startswith("HTTP 400")
 
 
 def test_with_no_max_tokens_an_answer_runs_to_the_context_not_512(start_worker):

@@ -74,6 +74,11 @@ def test_unix_socket_bind_with_openai_sdk(start_worker):
                            max_retries=0)
     r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5)
     assert r.usage.completion_tokens == 5
+    bench = subprocess.run([sys.executable, "-m", "mlxfleet", "bench", "--uds", w.uds,
+                            "--model", "tiny", "-c", "2", "-n", "3", "--max-tokens", "4",
+                            "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(bench.stdout)
+    assert report["errors"] == 0 and report["output_tokens"] == 12, bench.stderr
     w.stop()
     assert not __import__("os").path.exists(w.uds)  # the socket is cleaned up
 
