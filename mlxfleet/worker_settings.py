@@ -127,7 +127,8 @@ class WorkerConfig(BaseModel):
         json_schema_extra=_from("defaults.top_p", "default_top_p"))
     top_k: int = Field(0, ge=0, description="0 = off",
         json_schema_extra=_from("defaults.top_k"))
-    stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk",
+    stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk, at least "
+        "(tokens that arrive together share one)",
         json_schema_extra=_from("defaults.stream_interval", "stream_interval"))
     tool_call_parser: Optional[str] = Field(None, description="tool-call format (None or "
                                             "auto: from the chat template)",

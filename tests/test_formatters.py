@@ -293,3 +293,17 @@ def test_a_responses_stream_error_has_the_next_sequence_number():
     events = sse(text)
     assert events[-1][0] == "error" and events[-1][1]["code"] == "engine_error"
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+
+
+def test_a_choices_tokens_that_arrive_together_go_out_as_one_delta_in_order():
+    """A speculative step gives a row several tokens at once: one delta for them (text and
+    logprobs joined), never across another event of the same choice, order kept."""
+    from mlxfleet.worker.pipeline import _coalesce
+
+    lp = [object() for _ in range(5)]  # stand-ins for TokenEvents: only carried along
+    out = _coalesce([TextDelta(0, "a", [lp[0]]), TextDelta(1, "x", [lp[1]]),
+                     TextDelta(0, "b", [lp[2]]), ReasoningDelta(1, "r"),
+                     TextDelta(1, "y", [lp[3]]), TextDelta(0, "c", [lp[4]]),
+                     Finish(0, "length"), TextDelta(1, "z")])
+    assert out == [TextDelta(0, "abc", [lp[0], lp[2], lp[4]]), TextDelta(1, "x", [lp[1]]),
+                   ReasoningDelta(1, "r"), TextDelta(1, "yz", [lp[3]]), Finish(0, "length")]

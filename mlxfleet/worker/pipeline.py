@@ -90,6 +90,26 @@ class _Choice:
         self.done = False
 
 
+def _coalesce(events: list[Event]) -> list[Event]:
+    """Text deltas of one choice that arrived together, joined: a speculative step gives a
+    row up to a dozen tokens at once, and one chunk for them instead of one per token is
+    a twelfth of the framing in the worker, the relay in the gateway and the parsing in the
+    client (as vLLM streams a step's tokens). ``stream_interval`` stays a minimum; a delta
+    is joined only to the choice's last event, so a choice's events keep their order."""
+    out: list[Event] = []
+    last: dict[int, int] = {}  # choice -> position in out of its latest event
+    for ev in events:
+        j = last.get(getattr(ev, "index", -1))
+        prev = out[j] if j is not None else None
+        if isinstance(ev, TextDelta) and isinstance(prev, TextDelta):
+            out[j] = TextDelta(ev.index, prev.text + ev.text, prev.logprobs + ev.logprobs)
+            continue
+        if not isinstance(ev, Done):
+            last[ev.index] = len(out)
+        out.append(ev)
+    return out
+
+
 class Pipeline:
     """One request in flight: its generation and what its choices have produced."""
 
@@ -125,7 +145,7 @@ class Pipeline:
                                    headers={"Retry-After": "1"})
                 out.extend(self._feed(ev))
             if out:
-                yield out
+                yield _coalesce(out)
         yield [Done(self.usage())]
 
     async def collect(self) -> list[ChoiceResult]:

@@ -106,7 +106,8 @@ class SamplingFields(_Model):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stream_interval: Optional[StrictInt] = Field(default=None, ge=1, le=1024,
-                                           description="tokens per streamed chunk")
+                                           description="tokens per streamed chunk, at "
+                                           "least (tokens that arrive together share one)")
     ignore_eos: StrictBool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     skip_special_tokens: StrictBool = True  # vLLM's: hide special tokens from the text
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids
