@@ -195,9 +195,9 @@ class DefaultsSpec(_Spec):
     max_tokens: Optional[int] = Field(
         default=None, ge=1, description="completion length when a request sets no max_tokens "
         "(default: the context left after the prompt, bounded by limits.maxRequestTokens)")
-    stream_interval: Optional[int] = Field(default=None, ge=1,
-                                           description="tokens per streamed chunk, at least; tokens "
-                                           "that arrive together share one (default 1)")
+    stream_interval: Optional[int] = Field(
+        default=None, ge=1, description="tokens per streamed chunk, at least; tokens that "
+        "arrive together share one (default 1)")
 
 
 class ParsersSpec(_Spec):

@@ -189,15 +189,22 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
     mx.random.seed(3)
     target = mx.array([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    # Rows verified together, each with its own target and draft (one with none).
+    others = [mx.array([[0.1, 0.1, 0.8], [0.7, 0.2, 0.1]]), mx.array([[0.3, 0.6, 0.1]])]
     n, first, second = 3000, [0, 0, 0], [0, 0, 0]
+    firsts = [[0, 0, 0], [0, 0, 0]]
     for _ in range(n):
-        accepted, nxt = accept_sampled(target, [0, 1])
+        [(accepted, nxt), *rest] = accept_sampled([target, *others], [[0, 1], [2], []])
         out = ([0, 1][:accepted] + [nxt])
         first[out[0]] += 1
         if out[0] == 0 and len(out) > 1:
             second[out[1]] += 1
+        for counts, (a, t), d in zip(firsts, rest, [[2], []]):
+            counts[(d[:a] + [t])[0]] += 1
     assert [round(c / n, 2) for c in first] == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
     assert [c / sum(second) for c in second] == pytest.approx([0.1, 0.6, 0.3], abs=0.04)
+    assert [c / n for c in firsts[0]] == pytest.approx([0.1, 0.1, 0.8], abs=0.03)
+    assert [c / n for c in firsts[1]] == pytest.approx([0.3, 0.6, 0.1], abs=0.03)
 
 
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():

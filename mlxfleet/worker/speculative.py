@@ -77,34 +77,49 @@ def _kind(gb: Any, i: int) -> str:
 
     if gb.logits_processors and gb.logits_processors[i]:
         return PLAIN
-    s = gb.samplers[i] if gb.samplers else None
-    s = gb.fallback_sampler if s is None else s
+    s = _sampler(gb, i)
     if s is greedy_sampler:
         return GREEDY
     return SAMPLED if hasattr(s, "probs") else PLAIN
 
 
-def accept_sampled(probs: Any, draft: list[int]) -> tuple[int, int]:
-    """Standard speculative sampling for a draft that is one token per position (prompt
-    lookup: the draft's own distribution is all on its token). ``probs``: the target
-    distribution at the draft's positions and one more, ``(len(draft) + 1, vocab)``.
-    Each draft token is accepted with its target probability; at the first rejection
-    the next token is drawn from the target with that token removed (renormalized), and
-    after a draft accepted whole, from the next position's target. The output has the
-    target's distribution exactly. Returns (tokens accepted, the next token)."""
+def _sampler(gb: Any, i: int) -> Any:
+    """Row ``i``'s sampler (the batch's fallback where the row has none)."""
+    s = gb.samplers[i] if gb.samplers else None
+    return gb.fallback_sampler if s is None else s
+
+
+def accept_sampled(probs: list, drafts: list[list[int]]) -> list[tuple[int, int]]:
+    """Standard speculative sampling for drafts that are one token per position (prompt
+    lookup: a draft's own distribution is all on its token), for several rows at once.
+    ``probs[r]``: row r's target distribution at its draft's positions and one more,
+    ``(len(drafts[r]) + 1, vocab)``. Each draft token is accepted with its target
+    probability; at the first rejection the next token is drawn from the target with that
+    token removed (renormalized), and after a draft accepted whole, from the next
+    position's target. The output has the target's distribution exactly. Returns each
+    row's (tokens accepted, the next token). All rows' draws are read in two evaluations:
+    per row, each step waited on the device twice for every sampled row."""
     import mlx.core as mx
 
-    k = len(draft)
-    accepted = 0
-    if k:
-        p = probs[mx.arange(k), mx.array(draft)]
-        hits = (mx.random.uniform(shape=(k,)) < p).tolist()
-        while accepted < k and hits[accepted]:
-            accepted += 1
-    row = probs[accepted]
-    if accepted < k:  # the residual: max(p - q, 0) with q all on the rejected token
-        row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], 0, row)
-    return accepted, int(mx.random.categorical(mx.log(row)).item())
+    hits: list[bool] = []
+    if any(drafts):
+        p = mx.concatenate([q[mx.arange(len(d)), mx.array(d)] for q, d in zip(probs, drafts)
+                            if d])
+        hits = (mx.random.uniform(shape=p.shape) < p).tolist()
+    accepted, at = [], 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and hits[at + n]:
+            n += 1
+        accepted.append(n)
+        at += len(d)
+    nexts = []
+    for q, d, n in zip(probs, drafts, accepted):
+        row = q[n]
+        if n < len(d):  # the residual: max(p - q, 0) with q all on the rejected token
+            row = mx.where(mx.arange(row.shape[-1]) == d[n], 0, row)
+        nexts.append(mx.random.categorical(mx.log(row)))
+    return list(zip(accepted, mx.stack(nexts).tolist())) if nexts else []
 
 
 class Lookup:
@@ -441,15 +456,18 @@ class Speculator:
                 for proc in procs:
                     lg = proc(ctx, lg)
             lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-            sampler = gb.samplers[i] if gb.samplers and gb.samplers[i] is not None else \
-                gb.fallback_sampler
-            sampled[i] = (sampler(lp), lp[0])
+            sampled[i] = (_sampler(gb, i)(lp), lp[0])
         mx.eval(greedy, [t for t, _ in sampled.values()])
         targets = greedy.tolist()
 
-        def logprobs(i: int, j: int):  # (lazy: computed only when a client asked)
+        def logprobs(i: int, j: Any):  # (lazy: computed only when a client asked)
             lg = logits[i, j]
             return lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+
+        rejection = [i for i in range(b) if kinds[i] == SAMPLED]
+        decided = dict(zip(rejection, accept_sampled(
+            [_sampler(gb, i).probs(logprobs(i, slice(0, len(drafts[i]) + 1)))
+             for i in rejection], [drafts[i] for i in rejection])))
 
         responses, keep, kept_len = [], [], []
         nxt, nxt_lp = [0] * b, [pending_lp[0]] * b  # (finished rows: placeholders)
@@ -458,10 +476,7 @@ class Speculator:
                 accepted, follow, follow_lp = 0, int(sampled[i][0].item()), sampled[i][1]
             else:
                 if kinds[i] == SAMPLED:
-                    lg = logits[i, :len(d) + 1]
-                    accepted, follow = accept_sampled(
-                        gb.samplers[i].probs(lg - mx.logsumexp(lg, axis=-1, keepdims=True)),
-                        d)
+                    accepted, follow = decided[i]
                 else:
                     accepted = 0
                     while accepted < len(d) and d[accepted] == targets[i][accepted]:
