@@ -147,3 +147,23 @@ async def test_a_burst_of_short_prompts_is_prefilled_in_passes_packed_by_tokens(
             done.add(ev.index)
     assert tokens == {i: 3 for i in range(8)}
     assert [n for n in passes if n] == [8], passes
+
+
+async def test_the_chat_template_is_compiled_before_ready():
+    """Jinja compiles a chat template on its first use: the warm-up renders it, so that a
+    first chat request after Ready does not pay for it (builtin:tiny's: 42 ms against
+    11 ms for the next ones)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    _compile_jinja_template.cache_clear()
+    e = Engine(WorkerConfig(name="t", source="builtin:tiny-10m", max_concurrency=2))
+    e.start(asyncio.get_running_loop())
+    await e.wait_ready()
+    try:
+        assert _compile_jinja_template.cache_info().currsize >= 1
+        misses = _compile_jinja_template.cache_info().misses
+        e.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                        add_generation_prompt=True)
+        assert _compile_jinja_template.cache_info().misses == misses  # compiled already
+    finally:
+        await asyncio.to_thread(e.stop)
