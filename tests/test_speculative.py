@@ -207,6 +207,26 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert [c / n for c in firsts[1]] == pytest.approx([0.3, 0.6, 0.1], abs=0.03)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_distribution_drafts_are_judged_against_is_the_samplers_for_raw_logits(top_p):
+    """``probs`` takes the model's raw logits (it normalizes only for top-p and friends):
+    the same distribution as for log-probs, and for top-p the filter's."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_p
+
+    from mlxfleet.worker.sampling import SharedSampler
+
+    sampler = SharedSampler(SamplingParams(max_tokens=8, temperature=0.7, top_p=top_p))
+    logits = mx.random.normal((3, 50), key=mx.random.key(1)) * 3 + 100  # exp overflows
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = mx.softmax((apply_top_p(logprobs, top_p) if top_p < 1 else logprobs) / 0.7,
+                      axis=-1)
+    assert mx.allclose(sampler.probs(logits), want, atol=1e-6).item()
+    assert mx.allclose(sampler.probs(logprobs), want, atol=1e-6).item()
+    if top_p < 1:
+        assert (sampler.probs(logits) == 0).sum().item() > 0  # the filter cut the tail
+
+
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():
     lk = Lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
     assert lk.follow([5, 1, 2, 3], 3) == [4, 5, 1]  # after the last earlier 1, 2, 3

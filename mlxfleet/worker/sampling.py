@@ -87,12 +87,19 @@ class SharedSampler:
     def __call__(self, logprobs):
         return self._sample(logprobs)
 
-    def probs(self, logprobs):
+    def probs(self, logits):
+        """The distribution the sampler draws from, for raw ``logits`` (or log-probs). They
+        are normalized only for the filters, which read probabilities: a softmax needs no
+        normalized input, and on a CPU each pass over a 152k vocabulary at every draft
+        position costs more than the rest of a verify step (MLX's ``exp`` is scalar on
+        x86)."""
         import mlx.core as mx
 
-        for f in self._filters:
-            logprobs = f(logprobs)
-        return mx.softmax(logprobs * (1 / self._temp), axis=-1)
+        if self._filters:
+            logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            for f in self._filters:
+                logits = f(logits)
+        return mx.softmax(logits * (1 / self._temp), axis=-1)
 
 
 def logits_processors(p: SamplingParams, tokenizer: Any, vocab_size: int) -> list:

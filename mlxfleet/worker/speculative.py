@@ -460,13 +460,13 @@ class Speculator:
         mx.eval(greedy, [t for t, _ in sampled.values()])
         targets = greedy.tolist()
 
-        def logprobs(i: int, j: Any):  # (lazy: computed only when a client asked)
+        def logprobs(i: int, j: int):  # (lazy: computed only when a client asked)
             lg = logits[i, j]
             return lg - mx.logsumexp(lg, axis=-1, keepdims=True)
 
         rejection = [i for i in range(b) if kinds[i] == SAMPLED]
         decided = dict(zip(rejection, accept_sampled(
-            [_sampler(gb, i).probs(logprobs(i, slice(0, len(drafts[i]) + 1)))
+            [_sampler(gb, i).probs(logits[i, :len(drafts[i]) + 1])
              for i in rejection], [drafts[i] for i in rejection])))
 
         responses, keep, kept_len = [], [], []
