@@ -228,6 +228,14 @@ def test_the_distribution_drafts_are_judged_against_is_the_samplers_for_raw_logi
 
 
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(50):  # built at once or token by token: the same index
+        toks = [rng.randrange(4) for _ in range(rng.randrange(12))]
+        grown = Lookup()
+        grown.extend(toks)
+        assert Lookup(toks)._ends == grown._ends and Lookup(toks).tokens == toks
     lk = Lookup([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
     assert lk.follow([5, 1, 2, 3], 3) == [4, 5, 1]  # after the last earlier 1, 2, 3
     assert lk.follow([8, 8], 2) == []
