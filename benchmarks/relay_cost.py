@@ -31,17 +31,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from compare import BLAS, PY, Proc, free_port, wait_http  # noqa: E402
 
-#: (path, body, how to count the tokens in one streamed line) per protocol
+
+def _usage(line: bytes, path: tuple) -> int:
+    """The output tokens a streamed line reports at its end (0 for every other line): a
+    line holds several tokens when they arrived together, so lines are not tokens."""
+    if not any(k in line for k in (b'"usage"', b'"eval_count"')):
+        return 0
+    obj = json.loads(line[line.index(b"{"):])
+    for key in path:
+        obj = (obj or {}).get(key) if isinstance(obj, dict) else None
+    return obj if isinstance(obj, int) else 0
+
+
+#: (path, body, the output tokens a streamed line reports at the end) per protocol
 PROTOCOLS = {
-    "openai": ("/v1/chat/completions", {"stream": True},
-               lambda line: line.startswith(b"data: {")),
+    "openai": ("/v1/chat/completions",
+               {"stream": True, "stream_options": {"include_usage": True}},
+               lambda line: _usage(line, ("usage", "completion_tokens"))),
     "anthropic": ("/v1/messages", {"stream": True},
-                  lambda line: line.startswith(b'data: {"type":"content_block_delta"')
-                  or line.startswith(b'data: {"type": "content_block_delta"')),
+                  lambda line: _usage(line, ("usage", "output_tokens"))
+                  if b"message_delta" in line else 0),
     "ollama": ("/api/chat", {"stream": True, "options": {"num_predict": None}},
-               lambda line: line.startswith(b"{") and b'"done":false' in line.replace(b" ", b"")),
+               lambda line: _usage(line, ("eval_count",))),
     "responses": ("/v1/responses", {"stream": True},
-                  lambda line: b"response.output_text.delta" in line and line.startswith(b"data")),
+                  lambda line: _usage(line, ("response", "usage", "output_tokens"))),
 }
 
 
@@ -70,6 +83,7 @@ async def one_round(client: httpx.AsyncClient, protocol: str, streams: int,
             assert r.status_code == 200, (r.status_code, await r.aread())
             async for line in r.aiter_lines():
                 n += count(line.encode())
+        assert n == max_tokens, (protocol, n)  # ignore_eos: exactly max_tokens, reported
         return n
 
     t0 = time.perf_counter()
