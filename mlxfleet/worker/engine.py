@@ -776,9 +776,12 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
-        if self._speculator is not None and p.prediction:
+        if self._speculator is not None:
             for uid in uids:
-                self._speculator.predict(uid, p.prediction)
+                if p.prediction:
+                    self._speculator.predict(uid, p.prediction)
+                if p.logprobs is not None:
+                    self._speculator.keep_logprobs(uid)
         if gen.phase == "queued":
             gen.phase, gen.started_at = "prefill", time.monotonic()
             self._count_request(gen)
