@@ -167,3 +167,36 @@ async def test_the_chat_template_is_compiled_before_ready():
         assert _compile_jinja_template.cache_info().misses == misses  # compiled already
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_an_idle_engine_collects_the_garbage_a_burst_left(monkeypatch):
+    """Workers make full garbage collections rare while they work (``GC_GEN0``); going
+    idle, the engine collects in full, so the cycles a burst left (MLX arrays among them)
+    are freed then, not whenever the next burst allocates."""
+    import gc
+    import weakref
+
+    from mlxfleet.worker import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "IDLE_GC_S", 0.2)
+    e = Engine(WorkerConfig(name="t", source="builtin:tiny-10m", max_concurrency=2))
+    e.start(asyncio.get_running_loop())
+    await e.wait_ready()
+    gc.disable()  # only the engine's own collection can free the cycle
+    try:
+        class Node:
+            pass
+
+        node = Node()
+        node.me = node
+        gone = weakref.ref(node)
+        del node
+        await finish(e.submit([[5, 6, 7, 8]], SamplingParams(max_tokens=2)))  # busy, idle
+        for _ in range(50):
+            if gone() is None:
+                break
+            await asyncio.sleep(0.1)
+        assert gone() is None
+    finally:
+        gc.enable()
+        await asyncio.to_thread(e.stop)

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import copy
 import functools
+import gc
 import logging
 import os
 import queue
@@ -108,6 +109,7 @@ class _Seq:
 
 #: Batch steps failing this many times in a row take the engine down (restart).
 STEP_FAILURES_FATAL = 3
+IDLE_GC_S = 2.0  # seconds idle before a full garbage collection (see _idle_wait)
 #: Output tokens a sequence reserves KV for at a time (``Engine._need``, ``_grow``).
 RESERVE_TOKENS = 1024
 
@@ -585,15 +587,25 @@ class Engine:
             self._publish()
 
     def _idle_wait(self):
-        """The next inbox item; a sharded model's rank 0 pings the other ranks every
-        few seconds meanwhile, so a lost peer is found before a request needs it."""
-        if not self.config.sharded:
-            return self._inbox.get()
+        """The next inbox item. ``IDLE_GC_S`` into an idle spell the garbage collector
+        runs in full: the worker makes full collections rare while it works
+        (``server.GC_GEN0``), and cycles a burst left, MLX arrays among them, are freed
+        here rather than whenever the next burst allocates. A sharded model's rank 0
+        pings the other ranks every few seconds meanwhile, so a lost peer is found
+        before a request needs it."""
+        collect_at: Optional[float] = time.monotonic() + IDLE_GC_S
         while True:
+            timeout = 5.0 if self.config.sharded else None
+            if collect_at is not None:
+                timeout = max(0.0, min(timeout or IDLE_GC_S, collect_at - time.monotonic()))
             try:
-                return self._inbox.get(timeout=5.0)
+                return self._inbox.get(timeout=timeout)
             except queue.Empty:
-                self._bg.ping()
+                if collect_at is not None and time.monotonic() >= collect_at:
+                    gc.collect()
+                    collect_at = None
+                elif self.config.sharded:
+                    self._bg.ping()
 
     def _step_failed(self, e: Exception) -> None:
         """A batch step raised (an allocation beyond what the machine has, most likely):
