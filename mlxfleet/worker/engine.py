@@ -403,6 +403,8 @@ class Engine:
             self._speculator = Speculator(cfg.draft_tokens)
             self.paths["speculation"] = (f"prompt lookup, up to {cfg.draft_tokens} draft "
                                          "tokens per step when it pays")
+        if self._speculator is not None:
+            self._speculator.wants_logprobs = self._wants_logprobs
 
     def _load_draft(self, source: str) -> DraftModel:
         """``spec.speculative.draftModel``: loaded like the model; it must read and write
@@ -788,12 +790,9 @@ class Engine:
             self._post([(gen, EngineError(f"{type(e).__name__}: {e}"))])
             return
         gen.uids = uids
-        if self._speculator is not None:
+        if self._speculator is not None and p.prediction:
             for uid in uids:
-                if p.prediction:
-                    self._speculator.predict(uid, p.prediction)
-                if p.logprobs is not None:
-                    self._speculator.keep_logprobs(uid)
+                self._speculator.predict(uid, p.prediction)
         if gen.phase == "queued":
             gen.phase, gen.started_at = "prefill", time.monotonic()
             self._count_request(gen)
@@ -803,6 +802,12 @@ class Engine:
             self._seqs[uid] = _Seq(gen, i, need, decoders[i], procs[i], key, longest,
                                    longest, longest + min(p.max_tokens, RESERVE_TOKENS))
         self._reserved += need * len(uids)
+
+    def _wants_logprobs(self, uid: int) -> bool:
+        """Whether sequence ``uid``'s client asked for logprobs (the speculator's
+        question)."""
+        seq = self._seqs.get(uid)
+        return seq is None or seq.gen.params.logprobs is not None
 
     def _first_token(self, gen: Generation) -> None:
         """``gen`` has its first token: it is generating, and its wait counts in the

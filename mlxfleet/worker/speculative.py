@@ -32,6 +32,7 @@ tests/test_mlx_lm_api.py fails when mlx-lm moves them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -277,14 +278,17 @@ class Speculator:
         self.rows: dict[int, Row] = {}
         self._joined = False  # whether rows joined the batch in this step
         self.predictions: dict[int, list[int]] = {}  # uid -> predicted output tokens
-        self.with_logprobs: set[int] = set()  # uids whose client asked for logprobs
+        # Whether a sequence's client asked for logprobs (the engine's answer; until it
+        # gives one, every row gets them). For the others no log-softmax is built for
+        # their accepted draft tokens: a lazy one per token took 33 ms of the engine
+        # thread a step at 256 rows x 8 tokens, used by no one.
+        self.wants_logprobs: Callable[[int], bool] = lambda uid: True
         self.forget_measurements()
 
     def reset(self) -> None:
         """A new batch (its uids start again from 0): forget every row."""
         self.rows.clear()
         self.predictions.clear()
-        self.with_logprobs.clear()
         if self.draft is not None:
             self.draft.reset()
 
@@ -304,12 +308,6 @@ class Speculator:
             self.predictions[uid] = tokens
             while len(self.predictions) > 1024:  # (sequences cancelled before decoding)
                 del self.predictions[next(iter(self.predictions))]
-
-    def keep_logprobs(self, uid: int) -> None:
-        """``uid``'s client asked for logprobs: its accepted draft tokens carry theirs.
-        (For the others none is built: a lazy log-softmax per accepted token took 33 ms
-        of the engine thread a step at 256 rows x 8 tokens, used by no one.)"""
-        self.with_logprobs.add(uid)
 
     def next(self, gb: Any) -> list:
         """One decode step of ``gb`` (mlx-lm's ``GenerationBatch``): speculative when it
@@ -349,7 +347,6 @@ class Speculator:
         for uid in [u for u in self.rows if u not in live]:
             del self.rows[uid]
             self.predictions.pop(uid, None)
-            self.with_logprobs.discard(uid)
         out = []
         self._joined = False
         for i, uid in enumerate(gb.uids):
@@ -503,7 +500,7 @@ class Speculator:
                     self.stats.accepted += accepted
             emitted = [pending[i]] + d[:accepted]
             lps = [pending_lp[i]] + ([logprobs(i, j) for j in range(accepted)]
-                                     if gb.uids[i] in self.with_logprobs else [None] * accepted)
+                                     if self.wants_logprobs(gb.uids[i]) else [None] * accepted)
             reason, n = None, 0
             for t in emitted:
                 n += 1
