@@ -478,10 +478,10 @@ class Engine:
         template rendered (Jinja compiles it on first use), a lone prompt (its one-pass
         first token), then a batch of greedy and sampled rows of several lengths, one of
         them a prompt-cache hit, decoding (and drafting, where the model drafts) a few
-        steps. Kernels that MLX builds on first use (compiled
-        functions traced, Metal and CUDA kernels built, the CPU backend's compiled C++
-        loaded) are built here, not in a first burst (issue #46: on CUDA a first
-        8-stream burst ran at a sixth of a later one). What the warm-up measured and
+        steps. Kernels that MLX builds on first use (compiled functions traced, Metal and
+        CUDA kernels built, the CPU backend's compiled C++ loaded) are built here, not in
+        a first burst (issue #46: on CUDA a first 8-stream burst ran at a sixth of a
+        later one). What the warm-up measured and
         stored is then forgotten: its steps' times were cold, its prompts are no user's."""
         from dataclasses import replace
 
