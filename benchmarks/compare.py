@@ -2,7 +2,7 @@
 directly, and through the gateway. Results are ratios measured in the same run.
 
     .venv/bin/python benchmarks/compare.py [--model builtin:tiny-50m] [--streams 1 8 32]
-        [--max-tokens 128] [--prompt-words 64] [--write docs/performance.md]
+        [--max-tokens 128] [--prompt-words 64] [--repeats 1] [--write docs/performance.md]
 
 Run it by hand on an otherwise idle machine; it prints one table and, with
 --write, records it with the machine, BLAS, versions and this command.
@@ -236,6 +236,9 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="requests per stream")
     ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="bursts per path and stream count (stream counts interleaved); "
+                         "the tables show each path's median run")
     ap.add_argument("--write", type=Path, help="write the results to this markdown file")
     args = ap.parse_args()
     model_dir = resolve_source(args.model)
@@ -293,15 +296,21 @@ def main() -> None:
         results["limit"] = machine_limit(model_dir)
         results["prompt_tokens"] = prompt_tokens(model_dir, args.prompt_words)
 
-        for s in args.streams:
-            row = {"raw": raw_loop(model_dir, s, args.prompt_words, args.max_tokens, max_conc)}
-            for name, url in urls.items():
-                model = "bench" if name != "mlx_lm.server" else str(model_dir)
-                row[name] = bench(url, model, s, args)
-            results["streams"][s] = row
-            print(f"streams {s}: " + ", ".join(
-                f"{k} {v['output_tokens_per_s']:.1f} tok/s{failed(v)}" for k, v in row.items()),
-                flush=True)
+        # Stream counts interleaved within each repeat, so that this machine's drift over
+        # minutes (+-15% on a shared 2-core box) falls on every count alike.
+        runs: dict[int, list[dict]] = {}
+        for _ in range(args.repeats):
+            for s in args.streams:
+                row = {"raw": raw_loop(model_dir, s, args.prompt_words, args.max_tokens,
+                                       max_conc)}
+                for name, url in urls.items():
+                    model = "bench" if name != "mlx_lm.server" else str(model_dir)
+                    row[name] = bench(url, model, s, args)
+                runs.setdefault(s, []).append(row)
+                print(f"streams {s}: " + ", ".join(
+                    f"{k} {v['output_tokens_per_s']:.1f} tok/s{failed(v)}"
+                    for k, v in row.items()), flush=True)
+        results["streams"] = {s: median_row(rows) for s, rows in runs.items()}
 
         results["later_burst"] = bench(urls["gateway"], "bench", 8, args)
         # The gateway's hop on tiny non-streaming requests: against its own worker, asked
@@ -399,6 +408,17 @@ def meta(args) -> dict:
             "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:])}
 
 
+def median_row(rows: list[dict]) -> dict:
+    """Each path's run with the median tokens/s (the lower one of an even count), with the
+    tokens/s of all its runs under ``runs``."""
+    out = {}
+    for k in rows[0]:
+        by_rate = sorted((r[k] for r in rows), key=lambda v: v["output_tokens_per_s"])
+        out[k] = {**by_rate[(len(by_rate) - 1) // 2],
+                  "runs": [r[k]["output_tokens_per_s"] for r in rows]}
+    return out
+
+
 def failed(summary: dict) -> str:
     """" (N of M failed)" for a bench summary with failures, else "": tokens/s and TTFT
     over the requests a server served are not comparable with a server that served all
@@ -429,6 +449,14 @@ def render(r: dict, args) -> str:
                      f"{g:.1f}{fails[2]} | {g / raw:.2f}x | {g / ml:.2f}x |" if ml else
                      f"| {s} | {raw:.1f} | -{fails[0]} | {w:.1f}{fails[1]} | "
                      f"{g:.1f}{fails[2]} | {g / raw:.2f}x | - |")
+    if args.repeats > 1:
+        lines += ["", f"Each cell: the median of {args.repeats} runs, stream counts "
+                  "interleaved. Every run's tokens/s (raw loop, mlx_lm.server, worker, "
+                  "gateway): " + "; ".join(
+                      f"{s}: " + ", ".join("/".join(f"{x:.0f}" for x in row[k]["runs"])
+                                           for k in ("raw", "mlx_lm.server", "worker",
+                                                     "gateway"))
+                      for s, row in r["streams"].items())]
     lines += ["", "TTFT p50 / TPOT p50 (ms; TPOT: a request's time per output token after "
               "its first, which holds when one event carries several drafted tokens). "
               "Failed requests are named: a server's tokens/s and latencies count only the "

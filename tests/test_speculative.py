@@ -17,7 +17,14 @@ import pytest
 
 from mlxfleet.worker.engine import Engine
 from mlxfleet.worker.sampling import SamplingParams
-from mlxfleet.worker.speculative import Lookup, Row, Speculator, _gains, accept_sampled
+from mlxfleet.worker.speculative import (
+    Lookup,
+    Row,
+    Speculator,
+    _gains,
+    accept_sampled,
+    cut_back,
+)
 from mlxfleet.worker_settings import WorkerConfig
 
 QUESTIONS = ["Please repeat these words: apple river stone apple river stone cloud",
@@ -301,6 +308,39 @@ def test_the_gains_of_every_width_are_each_rows_expected_tokens_summed():
                 for r, d in zip(rows, drafts)) for k in range(1, 9)]
     assert list(_gains(rows, drafts)) == pytest.approx(want)
     assert len(_gains(rows, [[], [], []])) == 0  # no drafts: no width to weigh
+
+
+@pytest.mark.parametrize("size", [300, 256])  # a buffer with room past the write index; full
+def test_cutting_rows_back_keeps_what_mlx_lms_roll_keeps(size):
+    """Rows cut back by different amounts: every position a row still attends to holds
+    what mlx-lm's own roll (prepare + finalize) puts there, with the same offsets and
+    left padding, so the next pass reads the same keys and values."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    def cache(seed: int) -> BatchKVCache:
+        c = BatchKVCache([0, 3, 1, 7])
+        mx.random.seed(seed)
+        k, v = (mx.random.normal((4, 2, size, 8)) for _ in range(2))
+        c.update_and_fetch(k[..., :size - 20, :], v[..., :size - 20, :])
+        c.update_and_fetch(k[..., size - 20:, :], v[..., size - 20:, :])  # (a step's write)
+        return c
+
+    discard = [2, 0, 5, 3]
+    ours, theirs = cache(1), cache(1)
+    cut_back([ours], discard)
+    least = min(discard)
+    theirs.trim(least)
+    theirs.prepare(right_padding=[d - least for d in discard])
+    theirs.finalize()
+    assert ours._idx == theirs._idx == size - least
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist() == [2, 3, 6, 10]
+    for row, lp in enumerate(theirs.left_padding.tolist()):
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert mx.array_equal(a[row, :, lp:ours._idx], b[row, :, lp:theirs._idx]).item()
+    mask = ours.make_mask(1, return_array=True)
+    assert mx.array_equal(mask, theirs.make_mask(1, return_array=True)).item()
 
 
 def test_only_a_step_that_drafts_waits_for_the_step_in_flight():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -200,6 +201,27 @@ def test_fast_blas_gives_the_same_greedy_tokens(start_worker, monkeypatch):
     for a, b in zip(off, auto):
         assert a["text"] == b["text"]
         assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+
+
+def test_openblas_threads_spin_briefly_unless_the_user_says_otherwise():
+    """A worker's OpenBLAS threads sleep soon after a matmul (they spun ~0.1 s after each,
+    keeping every core busy while the worker ran Python); a user's own setting is kept,
+    and nothing is set when no OpenBLAS is loaded."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the BLAS preload only exists on Linux")
+    code = ("from mlxfleet.blas import preload_blas; b = preload_blas(); import os; "
+            "print(b, os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+
+    def run(**env: str) -> list[str]:
+        base = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+        return subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    blas, timeout = run(MLXFLEET_BLAS="auto")
+    assert blas != "bundled", "no OpenBLAS found: scripts/setup.sh installs it"
+    assert timeout == "20"
+    assert run(MLXFLEET_BLAS="auto", OPENBLAS_THREAD_TIMEOUT="22")[1] == "22"
+    assert run(MLXFLEET_BLAS="off") == ["bundled", "None"]
 
 
 def test_stop_strings_end_the_sequence_where_the_tokens_are_made():
