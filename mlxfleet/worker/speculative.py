@@ -582,9 +582,10 @@ def shift_right(c: Any, pad: Any) -> None:
     the right, and that many more of its positions count as left padding. mlx-lm rolls
     the whole buffer with an index per element (``take_along_axis``); this moves each
     (row, head, position) vector whole and leaves the buffer past the write index alone.
-    Measured on this CPU (32 rows x 512 positions, tiny-50m's 15 layers x 4 heads x 64):
-    428 against 808 ms a step, 22 against 70 ms at 256 rows of builtin:tiny; a verify step
-    paid it on top of its forward pass (docs/performance.md)."""
+    Measured on this CPU, 32 rows of 400 positions with tiny-50m's 15 layers x 4 heads x
+    64: 170 against 309 ms (each the best of 40), paid by every verify step on top of its
+    forward pass; with builtin:tiny's 16-wide heads no faster (36 against 32 ms at 256
+    rows). docs/performance.md."""
     import mlx.core as mx
 
     n = c._idx
