@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from mlxfleet.worker.engine import Engine
 from mlxfleet.worker.sampling import SamplingParams
 from mlxfleet.worker.speculative import (
     Lookup,
+    Order,
     Row,
     Speculator,
     _gains,
@@ -108,6 +110,38 @@ async def test_a_draft_cut_short_by_the_length_or_a_stop_string_ends_where_plain
     assert len(on[0]["tokens"]) == 13 and on[0]["finish"] == "length"
     assert on[1]["finish"] == "stop" and on[1]["stop"]
     assert stats["accepted_tokens"] >= 20, stats
+
+
+async def test_the_next_turns_after_rows_cut_back_by_moving_positions_read_their_caches_in_order(
+        always, monkeypatch):
+    """Rows decoded together reject different numbers of draft tokens, so their caches
+    are cut back by moving positions (``relocate``); each conversation's next turn then
+    starts from its stored cache, which must hold its positions in order: the prompt
+    cache cuts it to the shared prefix from the end."""
+    from mlxfleet.worker import speculative
+
+    moved = []
+    real = speculative.relocate
+    monkeypatch.setattr(speculative, "relocate",
+                        lambda *a: moved.append(real(*a)) or moved[-1])
+
+    async def run(e):
+        prompts = [chat(e, q) for q in QUESTIONS]
+        together = await asyncio.gather(*(answer(e, p, max_tokens=24, ignore_eos=True)
+                                          for p in prompts))
+        nxt, cached = [], []
+        for p, t in zip(prompts, together):
+            gen = e.submit([p + t["tokens"][:-1] + chat(e, "Again.")],
+                           SamplingParams(max_tokens=12, ignore_eos=True))
+            events = [await asyncio.wait_for(gen.events.get(), 120) for _ in range(12)]
+            nxt.append([ev.token for ev in events])
+            cached.append(gen.cached_tokens)
+        return [t["tokens"] for t in together], nxt, cached
+
+    (off, off_next, _), (on, on_next, cached), _ = await both("builtin:demo", run)
+    assert any(moved), "no batch was cut back by moving positions"
+    assert on == off and on_next == off_next
+    assert all(c > 20 for c in cached), cached  # each next turn started from its cache
 
 
 async def test_rows_that_sample_or_use_penalties_decode_beside_drafting_rows(always):
@@ -341,6 +375,62 @@ def test_cutting_rows_back_keeps_what_mlx_lms_roll_keeps(size):
             assert mx.array_equal(a[row, :, lp:ours._idx], b[row, :, lp:theirs._idx]).item()
     mask = ours.make_mask(1, return_array=True)
     assert mx.array_equal(mask, theirs.make_mask(1, return_array=True)).item()
+
+
+def test_rows_cut_back_by_moving_their_oldest_positions_hold_the_same_keys_in_order():
+    """Cut back with rows to track it, a row's rejected slots take its oldest positions:
+    the slots it attends to hold the same keys and values as mlx-lm's roll leaves (in
+    another order, which its ``Order`` undoes), with the same offsets, padding and mask,
+    step after step."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    def cache() -> BatchKVCache:
+        c = BatchKVCache([0, 3, 1, 7])
+        mx.random.seed(3)
+        c.update_and_fetch(mx.random.normal((4, 2, 40, 8)), mx.random.normal((4, 2, 40, 8)))
+        return c
+
+    ours, theirs = cache(), cache()
+    rows = [Row(Lookup([1])) for _ in range(4)]
+    for step, discard in enumerate(([2, 0, 5, 3], [1, 4, 0, 4], [3, 3, 3, 0])):
+        mx.random.seed(10 + step)
+        k, v = mx.random.normal((4, 2, 6, 8)), mx.random.normal((4, 2, 6, 8))
+        ours.update_and_fetch(k, v)
+        theirs.update_and_fetch(k, v)
+        cut_back([ours], discard, rows)
+        least = min(discard)
+        theirs.trim(least)
+        theirs.prepare(right_padding=[d - least for d in discard])
+        theirs.finalize()
+        assert ours._idx == theirs._idx
+        assert ours.offset.tolist() == theirs.offset.tolist()
+        assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+        assert mx.array_equal(ours.make_mask(1, return_array=True),
+                              theirs.make_mask(1, return_array=True)).item()
+        for i, lp in enumerate(theirs.left_padding.tolist()):
+            n = ours._idx - lp
+            slots = rows[i].order.slots(n)
+            ix = mx.array(slots if slots is not None else list(range(n)))
+            for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+                assert mx.array_equal(a[i, :, lp:ours._idx][:, ix], b[i, :, lp:ours._idx]).item()
+    assert rows[2].order.slots(ours._idx - ours.left_padding.tolist()[2]) is not None
+
+
+def test_a_rows_order_follows_its_rotations_and_the_positions_it_gains():
+    o = Order()
+    assert o.slots(5) is None  # never moved: in order
+    o.rotate(5, 2)  # slots hold 2 3 4 0 1
+    assert o.slots(5) == [3, 4, 0, 1, 2]
+    assert o.slots(7) == [3, 4, 0, 1, 2, 5, 6]  # two decoded since: 2 3 4 0 1 5 6
+    o.rotate(7, 3)  # 0 1 5 6 2 3 4
+    assert o.slots(7) == [0, 1, 4, 5, 6, 2, 3]
+    o.rotate(7, 4)  # 2 3 4 0 1 5 6
+    assert o.slots(7) == [3, 4, 0, 1, 2, 5, 6]
+    o = Order()
+    o.rotate(4, 1)  # 1 2 3 0
+    o.rotate(4, 3)  # 0 1 2 3: in order again, one run
+    assert o.slots(4) is None and o.runs == deque([[0, 4]])
 
 
 def test_only_a_step_that_drafts_waits_for_the_step_in_flight():

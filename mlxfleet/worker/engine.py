@@ -446,6 +446,7 @@ class Engine:
             self._speculator.reset()  # (the new batch numbers its sequences from 0 again)
             gb = self._bg._generation_batch
             gb.next = functools.partial(self._speculator.next, gb)
+            gb.extract_cache = functools.partial(self._speculator.extract, gb)
 
     def _init_batching(self) -> None:
         from mlx_lm.generate import StopSequences

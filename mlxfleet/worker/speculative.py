@@ -33,6 +33,7 @@ tests/test_mlx_lm_api.py fails when mlx-lm moves them.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -168,6 +169,53 @@ class Lookup:
         return []
 
 
+class Order:
+    """Which of a row's positions each slot of its batched cache holds, once ``relocate``
+    has moved some: slot j (counted from the row's left padding) holds position
+    ``perm[j]``, kept as runs ``[first, count]`` of consecutive positions. Positions the
+    cache gained since (decode steps) are the highest, in the last slots."""
+
+    def __init__(self) -> None:
+        self.runs: deque[list[int]] = deque()
+        self.covered = 0  # positions the runs account for
+
+    def _push(self, first: int, count: int) -> None:
+        if self.runs and sum(self.runs[-1]) == first:
+            self.runs[-1][1] += count
+        else:
+            self.runs.append([first, count])
+
+    def _sync(self, n: int) -> None:
+        if n > self.covered:
+            self._push(self.covered, n - self.covered)
+            self.covered = n
+
+    def rotate(self, n: int, e: int) -> None:
+        """The row's first ``e`` slots of its ``n`` moved after the last."""
+        self._sync(n)
+        while e:
+            first, count = self.runs[0]
+            take = min(e, count)
+            if take == count:
+                self.runs.popleft()
+            else:
+                self.runs[0] = [first + take, count - take]
+            self._push(first, take)
+            e -= take
+
+    def slots(self, n: int) -> Optional[list[int]]:
+        """The slot of each of the row's ``n`` positions in turn; None when they are in
+        order."""
+        self._sync(n)
+        if len(self.runs) <= 1:
+            return None
+        out, j = [0] * n, 0
+        for first, count in self.runs:
+            out[first:first + count] = range(j, j + count)
+            j += count
+        return out
+
+
 @dataclass
 class Row:
     """One sequence's drafting state."""
@@ -179,6 +227,7 @@ class Row:
     # it followed, then the draft.
     shadow: list[int] = field(default_factory=list)
     shadow_hits: int = 0
+    order: Order = field(default_factory=Order)  # its cache's slots (``relocate``)
 
     def draft(self, k: int, pending: Optional[int] = None) -> list[int]:
         """Up to ``k`` tokens to follow the sequence (and ``pending``, its next token
@@ -309,6 +358,24 @@ class Speculator:
             self.predictions[uid] = tokens
             while len(self.predictions) > 1024:  # (sequences cancelled before decoding)
                 del self.predictions[next(iter(self.predictions))]
+
+    def extract(self, gb: Any, idx: int) -> list:
+        """Row ``idx``'s cache taken out of the batch (``GenerationBatch.extract_cache``,
+        for the prompt cache), its positions back in order where ``relocate`` moved some:
+        the prompt cache cuts caches to a prefix from the end."""
+        import mlx.core as mx
+        from mlx_lm.generate import GenerationBatch
+
+        caches = GenerationBatch.extract_cache(gb, idx)
+        row = self.rows.get(gb.uids[idx])
+        if row is None or not row.order.covered:  # (never moved: quantized caches too)
+            return caches
+        slots = row.order.slots(caches[0].keys.shape[2])
+        if slots is not None:
+            ix = mx.array(slots)
+            for c in caches:
+                c.keys, c.values = c.keys[:, :, ix], c.values[:, :, ix]
+        return caches
 
     def next(self, gb: Any) -> list:
         """One decode step of ``gb`` (mlx-lm's ``GenerationBatch``): speculative when it
@@ -523,7 +590,7 @@ class Speculator:
                 nxt[i], nxt_lp[i] = follow, follow_lp
             else:
                 responses[-1][-1].finish_reason = reason
-        cut_back(gb.prompt_cache, [width - n for n in kept_len])
+        cut_back(gb.prompt_cache, [width - n for n in kept_len], rows)
         for i, rs in enumerate(responses):
             if rs[-1].finish_reason is not None:
                 rs[-1].prompt_cache = gb.extract_cache(i)
@@ -554,26 +621,64 @@ def _gains(rows: list[Row], drafts: list[list[int]]) -> Any:
     return np.where(j <= n, p ** j, 0.0).cumsum(axis=1).sum(axis=0)
 
 
-def cut_back(caches: list, discard: list[int]) -> None:
+def cut_back(caches: list, discard: list[int], rows: Optional[list[Row]] = None) -> None:
     """Drop each row's last ``discard[i]`` positions of batched KV ``caches``: the write
-    index goes back by the least of them, the rest become left padding."""
+    index goes back by the least of them, the rest become left padding (by ``relocate``
+    where ``rows`` can track the order it leaves, else by shifting rows)."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
     least = min(discard)
     extra = [n - least for n in discard]
-    pad = mx.array(extra) if any(extra) else None
-    for c in caches:
-        if least:
+    if least:
+        for c in caches:
             c.trim(least)
-        if pad is None:
-            continue
-        if type(c) is BatchKVCache and c.keys is not None and c._idx:
-            shift_right(c, pad)
-        else:  # (quantized and draft caches of other kinds: mlx-lm's own roll)
-            c.prepare(right_padding=extra)
-            c.finalize()
+    if any(extra):
+        pad = mx.array(extra)
+        plain = all(type(c) is BatchKVCache and c.keys is not None and c._idx
+                    for c in caches)
+        if not (plain and rows is not None and relocate(caches, extra, pad, rows)):
+            for c in caches:
+                if type(c) is BatchKVCache and c.keys is not None and c._idx:
+                    shift_right(c, pad)
+                else:  # (quantized and draft caches of other kinds: mlx-lm's own roll)
+                    c.prepare(right_padding=extra)
+                    c.finalize()
     mx.eval([c.state for c in caches])
+
+
+def relocate(caches: list, extra: list[int], pad: Any, rows: list[Row]) -> bool:
+    """Cut rows back by moving only the positions they rejected: each row's ``extra[i]``
+    rejected slots at the end take its oldest positions, which then count as left
+    padding. Attention reads the same keys and values (their positions are already in
+    them; a softmax over keys does not depend on their order), so only the slots a row
+    holds its positions in change (``Row.order``, put back in order when its cache is
+    taken out). O(rows x extra) where shifting rows is O(rows x positions): the shift
+    cost a verify step as much as its forward pass (docs/performance.md). False (nothing
+    done) when a row holds fewer positions than it rejected."""
+    import mlx.core as mx
+
+    n = caches[0]._idx
+    lp = caches[0].left_padding.tolist()
+    held = [n - p - e for p, e in zip(lp, extra)]  # each row's positions, rejected aside
+    if any(h < e for h, e in zip(held, extra)):
+        return False
+    w = max(extra)
+    j = mx.arange(n - w, n)[None, :]  # the last w slots
+    e = pad[:, None]
+    src = mx.where(j >= n - e, mx.array(lp)[:, None] + j - (n - e), j)[:, None, :, None]
+    moved = [[mx.take_along_axis(x[..., :n, :], src, axis=2) for x in (c.keys, c.values)]
+             for c in caches]
+    mx.eval(moved)  # first, so that the writes below update the buffers in place
+    for c, (k, v) in zip(caches, moved):
+        c.keys[..., n - w:n, :] = k
+        c.values[..., n - w:n, :] = v
+        c.offset = c.offset - pad
+        c.left_padding = c.left_padding + pad
+    for row, h, k in zip(rows, held, extra):
+        if k:
+            row.order.rotate(h, k)
+    return True
 
 
 def shift_right(c: Any, pad: Any) -> None:
