@@ -10,9 +10,12 @@ Only the forward pass is scripted: at each step it puts all the probability on t
 token of the answer.
 
 How it knows the conversation inside mlx-lm's batch: its one "layer" caches each
-token's id (plus one, so the batch's zero padding is no token) as a 1-dimensional key,
-so every row's cache holds that row's whole sequence, however it was batched, trimmed
-or reused from the prompt cache.
+token's id (plus one, so the batch's zero padding is no token) as a 1-dimensional key
+and the token's position (plus one) as its value, so every row's cache holds that row's
+whole sequence, however it was batched, trimmed or reused from the prompt cache. Like a
+real model's attention it reads only the slots past a row's left padding, in any order
+(speculative decoding's cut-back moves slots: ``speculative.relocate``): it sorts them
+by position.
 
 The script is JSON: ``{"rules": [{"when": REGEX, "say": TEXT}, ...], "otherwise": TEXT}``.
 ``when`` is searched in the conversation as the template rendered it (the first match
@@ -120,10 +123,17 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Optional[list] = None, **kwargs) -> mx.array:
         b, n = inputs.shape
         ids = (inputs.astype(mx.float32) + 1)[:, None, :, None]  # (B, heads, L, dim)
-        history = ids
         if cache is not None and cache[0] is not None:
-            history, _ = cache[0].update_and_fetch(ids, ids)
-        rows = history[:, 0, :, 0].astype(mx.int32).tolist()
+            c = cache[0]
+            first = mx.array(c.offset).reshape(-1, 1)  # each row's next position
+            pos = (first + mx.arange(1, n + 1)).astype(mx.float32)
+            keys, values = c.update_and_fetch(ids, mx.broadcast_to(pos, (b, n))[:, None, :, None])
+            pad = c.left_padding.tolist() if hasattr(c, "left_padding") else [0] * b
+            slots = zip(keys[:, 0, :, 0].astype(mx.int32).tolist(),
+                        values[:, 0, :, 0].astype(mx.int32).tolist(), pad)
+            rows = [[t for _, t in sorted(zip(p[lp:], k[lp:]))] for k, p, lp in slots]
+        else:
+            rows = (inputs + 1).tolist()
         # Every position's next token for a few positions (speculative decoding verifies
         # a draft by them); a prompt chunk's positions before its last are never read.
         width = n if n <= SCORED_POSITIONS else 1

@@ -225,6 +225,35 @@ async def test_sampled_rows_draft_and_keep_what_the_model_says(always, monkeypat
     assert stats["accepted_tokens"] >= 40, stats
 
 
+async def test_rows_cut_back_by_moving_slots_keep_a_position_reading_models_answers(
+        always, monkeypatch, tmp_path):
+    """The scripted model reads each row's whole sequence from its cache, by position:
+    rows decoded together that reject different numbers of draft tokens (their slots
+    moved by ``relocate``) still get the script's answers."""
+    from mlxfleet.worker import speculative
+
+    moved = []
+    real = speculative.relocate
+    monkeypatch.setattr(speculative, "relocate",
+                        lambda *a: moved.append(real(*a)) or moved[-1])
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"rules": [{"when": "Repeat: (?P<t>[^<]*)<",
+                                             "say": "\\g<t>"}]}))
+    monkeypatch.setenv("MLXFLEET_SCRIPT", str(script))
+    texts = ["one fish two fish red fish blue fish, " * 3, "a b c a b d a b e a b f " * 3,
+             "red green blue red green blue red " * 3, "the cat sat on the mat " * 3]
+
+    async def run(e):
+        outs = await asyncio.gather(*(answer(e, chat(e, f"Repeat: {t}"), max_tokens=200)
+                                      for t in texts))
+        return [o["text"] for o in outs]
+
+    off, on, _ = await both("builtin:scripted", run)
+    assert off == texts
+    assert on == off
+    assert any(moved), "no batch was cut back by moving slots"
+
+
 def test_speculative_sampling_keeps_the_target_distribution():
     import mlx.core as mx
 
