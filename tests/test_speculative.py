@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections import deque
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,25 @@ def always(monkeypatch):
     """Draft on every step where some row has a draft, whatever it is expected to pay."""
     monkeypatch.setattr(Speculator, "_width",
                         lambda self, rows, drafts: max(len(d) for d in drafts))
+
+
+@pytest.fixture
+def relocations(monkeypatch) -> list[bool]:
+    """What each ``relocate`` call returned (True: it cut the batch back)."""
+    from mlxfleet.worker import speculative
+
+    out: list[bool] = []
+    real = speculative.relocate
+    monkeypatch.setattr(speculative, "relocate", lambda *a: out.append(real(*a)) or out[-1])
+    return out
+
+
+def mlx_lm_cut_back(cache: Any, discard: list[int]) -> None:
+    """The cut-back as mlx-lm's own roll does it: the reference."""
+    least = min(discard)
+    cache.trim(least)
+    cache.prepare(right_padding=[d - least for d in discard])
+    cache.finalize()
 
 
 async def engine(source: str, mode: str, **kw) -> Engine:
@@ -113,18 +133,11 @@ async def test_a_draft_cut_short_by_the_length_or_a_stop_string_ends_where_plain
 
 
 async def test_the_next_turns_after_rows_cut_back_by_moving_positions_read_their_caches_in_order(
-        always, monkeypatch):
+        always, relocations):
     """Rows decoded together reject different numbers of draft tokens, so their caches
     are cut back by moving positions (``relocate``); each conversation's next turn then
     starts from its stored cache, which must hold its positions in order: the prompt
     cache cuts it to the shared prefix from the end."""
-    from mlxfleet.worker import speculative
-
-    moved = []
-    real = speculative.relocate
-    monkeypatch.setattr(speculative, "relocate",
-                        lambda *a: moved.append(real(*a)) or moved[-1])
-
     async def run(e):
         prompts = [chat(e, q) for q in QUESTIONS]
         together = await asyncio.gather(*(answer(e, p, max_tokens=24, ignore_eos=True)
@@ -139,7 +152,7 @@ async def test_the_next_turns_after_rows_cut_back_by_moving_positions_read_their
         return [t["tokens"] for t in together], nxt, cached
 
     (off, off_next, _), (on, on_next, cached), _ = await both("builtin:demo", run)
-    assert any(moved), "no batch was cut back by moving positions"
+    assert any(relocations), "no batch was cut back by moving positions"
     assert on == off and on_next == off_next
     assert all(c > 20 for c in cached), cached  # each next turn started from its cache
 
@@ -226,16 +239,10 @@ async def test_sampled_rows_draft_and_keep_what_the_model_says(always, monkeypat
 
 
 async def test_rows_cut_back_by_moving_slots_keep_a_position_reading_models_answers(
-        always, monkeypatch, tmp_path):
+        always, relocations, monkeypatch, tmp_path):
     """The scripted model reads each row's whole sequence from its cache, by position:
     rows decoded together that reject different numbers of draft tokens (their slots
     moved by ``relocate``) still get the script's answers."""
-    from mlxfleet.worker import speculative
-
-    moved = []
-    real = speculative.relocate
-    monkeypatch.setattr(speculative, "relocate",
-                        lambda *a: moved.append(real(*a)) or moved[-1])
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"rules": [{"when": "Repeat: (?P<t>[^<]*)<",
                                              "say": "\\g<t>"}]}))
@@ -251,7 +258,7 @@ async def test_rows_cut_back_by_moving_slots_keep_a_position_reading_models_answ
     off, on, _ = await both("builtin:scripted", run)
     assert off == texts
     assert on == off
-    assert any(moved), "no batch was cut back by moving slots"
+    assert any(relocations), "no batch was cut back by moving slots"
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
@@ -392,11 +399,8 @@ def test_cutting_rows_back_keeps_what_mlx_lms_roll_keeps(size):
     discard = [2, 0, 5, 3]
     ours, theirs = cache(1), cache(1)
     cut_back([ours], discard)
-    least = min(discard)
-    theirs.trim(least)
-    theirs.prepare(right_padding=[d - least for d in discard])
-    theirs.finalize()
-    assert ours._idx == theirs._idx == size - least
+    mlx_lm_cut_back(theirs, discard)
+    assert ours._idx == theirs._idx == size - min(discard)
     assert ours.offset.tolist() == theirs.offset.tolist()
     assert ours.left_padding.tolist() == theirs.left_padding.tolist() == [2, 3, 6, 10]
     for row, lp in enumerate(theirs.left_padding.tolist()):
@@ -428,10 +432,7 @@ def test_rows_cut_back_by_moving_their_oldest_positions_hold_the_same_keys_in_or
         ours.update_and_fetch(k, v)
         theirs.update_and_fetch(k, v)
         cut_back([ours], discard, rows)
-        least = min(discard)
-        theirs.trim(least)
-        theirs.prepare(right_padding=[d - least for d in discard])
-        theirs.finalize()
+        mlx_lm_cut_back(theirs, discard)
         assert ours._idx == theirs._idx
         assert ours.offset.tolist() == theirs.offset.tolist()
         assert ours.left_padding.tolist() == theirs.left_padding.tolist()

@@ -635,11 +635,14 @@ def cut_back(caches: list, discard: list[int], rows: Optional[list[Row]] = None)
             c.trim(least)
     if any(extra):
         pad = mx.array(extra)
-        plain = all(type(c) is BatchKVCache and c.keys is not None and c._idx
-                    for c in caches)
-        if not (plain and rows is not None and relocate(caches, extra, pad, rows)):
+
+        def plain(c: Any) -> bool:  # a filled buffer of mlx-lm's own keys and values
+            return type(c) is BatchKVCache and c.keys is not None and c._idx > 0
+
+        if not (rows is not None and all(map(plain, caches))
+                and relocate(caches, extra, pad, rows)):
             for c in caches:
-                if type(c) is BatchKVCache and c.keys is not None and c._idx:
+                if plain(c):
                     shift_right(c, pad)
                 else:  # (quantized and draft caches of other kinds: mlx-lm's own roll)
                     c.prepare(right_padding=extra)
@@ -687,10 +690,10 @@ def shift_right(c: Any, pad: Any) -> None:
     the right, and that many more of its positions count as left padding. mlx-lm rolls
     the whole buffer with an index per element (``take_along_axis``); this moves each
     (row, head, position) vector whole and leaves the buffer past the write index alone.
-    Measured on this CPU, 32 rows of 400 positions with tiny-50m's 15 layers x 4 heads x
-    64: 170 against 309 ms (each the best of 40), paid by every verify step on top of its
-    forward pass; with builtin:tiny's 16-wide heads no faster (36 against 32 ms at 256
-    rows). docs/performance.md."""
+    Where ``relocate`` cannot (a draft model's caches, a row holding fewer positions than
+    it rejected). Measured on this CPU, 32 rows of 400 positions with tiny-50m's 15 layers
+    x 4 heads x 64: 170 against 309 ms (each the best of 40); with builtin:tiny's 16-wide
+    heads no faster (36 against 32 ms at 256 rows). docs/performance.md."""
     import mlx.core as mx
 
     n = c._idx
