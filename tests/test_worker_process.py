@@ -63,6 +63,7 @@ def test_sigterm_drains_in_flight_requests(start_worker):
                     w.proc.send_signal(signal.SIGTERM)
                 lines += [ln] if ln else []
     assert w.proc.wait(30) == 0
+    assert "terminate called" not in w.logs()  # no abort on the way out (issue #46: CUDA)
     assert lines[-1] == "data: [DONE]"
     usage = json.loads(lines[-2][len("data: "):])["usage"]
     assert usage["completion_tokens"] == 600  # the stream ran to the end
