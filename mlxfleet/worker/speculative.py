@@ -314,7 +314,9 @@ class StepCost:
             fit_b = cov / var_n
             # scatter about the line, floored at 0.1% of a step (exact test data)
             scatter = max(stt / w - mt * mt - cov * fit_b, (1e-3 * mt) ** 2)
-            weight = w * var_n / scatter * prior_b ** 2  # the fit's precision / the prior's
+            # the fit's precision (1 / its slope's variance) over the prior's, whose
+            # standard deviation is taken as its own size
+            weight = w * var_n / scatter * prior_b ** 2
             b = (prior_b + weight * fit_b) / (1 + weight)
         else:
             b = prior_b
