@@ -22,20 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from compare import free_port, wait_http
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], log: Path, limit: float) -> str:
@@ -63,13 +58,7 @@ def exit_check(log: Path) -> str:
                              stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(1200):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+            wait_http(url + "/health", timeout=120)
             r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
                 "model": "tiny", "max_tokens": 8,
                 "messages": [{"role": "user", "content": "hello"}]})
